@@ -1,0 +1,28 @@
+"""keras-tpu-mem: fit bigger models into TPU memory with ordinary Keras 3 callbacks.
+
+Public names are flat: `import keras_tpu_mem as ktm; ktm.TPUStrategyWrapper()`.
+The package does not choose a Keras backend; its training features need the
+TensorFlow backend and say so when another is active.
+"""
+
+__version__ = "0.1.0.dev0"
+
+try:
+    import tensorflow as _tf  # noqa: F401
+except ImportError as _err:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "keras_tpu_mem needs TensorFlow. Install it with "
+        "`pip install keras-tpu-mem[tensorflow]` (or [cpu] for tensorflow-cpu); on a "
+        "TPU VM install `tensorflow-tpu` as Google's TPU guide says."
+    ) from _err
+
+from keras_tpu_mem.devices import HBM_TABLE, AcceleratorSpec, MemoryReading, lookup_tpu
+from keras_tpu_mem.strategy import TPUStrategyWrapper
+
+__all__ = [
+    "HBM_TABLE",
+    "AcceleratorSpec",
+    "MemoryReading",
+    "TPUStrategyWrapper",
+    "lookup_tpu",
+]

@@ -1,0 +1,31 @@
+"""Small helpers shared by the package: the logger and backend checks."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+logger = logging.getLogger("keras_tpu_mem")
+if not logger.handlers:
+    # Users run this in notebooks where the root logger prints nothing below
+    # WARNING; our one-line notices (what the strategy picked, what a callback
+    # changed) are meant to be seen. Silence them with
+    # logging.getLogger("keras_tpu_mem").setLevel(logging.WARNING).
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("keras_tpu_mem: %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def require_tensorflow_backend(what: str) -> None:
+    """Raises a clear error when Keras runs on a backend other than TensorFlow."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise RuntimeError(
+            f"{what} needs the Keras TensorFlow backend (tf.distribute, TPUStrategy), "
+            f"but Keras is running on {backend!r}. Set KERAS_BACKEND=tensorflow "
+            "before importing keras."
+        )
