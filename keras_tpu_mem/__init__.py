@@ -16,10 +16,12 @@ except ImportError as _err:  # pragma: no cover - depends on the environment
         "TPU VM install `tensorflow-tpu` as Google's TPU guide says."
     ) from _err
 
+from keras_tpu_mem.accumulation import GradientAccumulation
 from keras_tpu_mem.devices import HBM_TABLE, AcceleratorSpec, MemoryReading, lookup_tpu
 from keras_tpu_mem.strategy import TPUStrategyWrapper
 
 __all__ = [
+    "GradientAccumulation",
     "HBM_TABLE",
     "AcceleratorSpec",
     "MemoryReading",

@@ -27,6 +27,8 @@ registration points (all optional, all methods of `Feature`):
 * **`after_update(ctx)`** – runs inside the compiled step right after the
   optimizer update, on every replica (pruning masks). It runs with
   `steps_per_execution > 1` and under XLA because it is part of the step.
+  Assign model variables there with `update_variable`, which works in the
+  replica context of every strategy.
 
 Composition is independent of the order of the callbacks list: features are
 sorted by their `order` attribute (then name) before the step is built, and a
@@ -77,6 +79,31 @@ def unscale_for_replicas(value):
     from keras.src.losses.loss import unscale_loss_for_distribution
 
     return unscale_loss_for_distribution(value)
+
+
+def update_variable(variable, fn, *args):
+    """Updates a model variable from inside the step, consistently on every replica.
+
+    For `after_update` hooks: under a multi-replica strategy a replica may not
+    assign a mirrored variable directly. This does what Keras' optimizer does:
+    a merge call, then `fn(per_device_variable, *per_device_args)` on every
+    device. `fn` must assign and may return the assign op. Args that are
+    per-replica tensors arrive as each device's own value.
+
+    Example (inside `after_update`): clip a kernel
+
+    ```python
+    update_variable(layer.kernel, lambda v: v.assign(tf.clip_by_value(v, -1.0, 1.0)))
+    ```
+    """
+    tf_variable = variable.value if isinstance(variable, keras.Variable) else variable
+
+    def merged(strategy, *merged_args):
+        return strategy.extended.update(tf_variable, fn, args=merged_args, group=False)
+
+    return tf.__internal__.distribute.interim.maybe_merge_call(
+        merged, tf.distribute.get_strategy(), *args
+    )
 
 
 class StepContext:
@@ -285,9 +312,6 @@ class Engine:
             data, more = feature.split_extras(data)
             extras.update(more)
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        trainable = model.trainable_weights
-        if not trainable:
-            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         per_replica_batch = _batch_size((x, y, sample_weight, extras))
         num_micro = self._micro_batch_count(per_replica_batch)
         if isinstance(num_micro, int) and num_micro == 1:
@@ -295,14 +319,16 @@ class Engine:
                 y_pred, loss = self._forward(x, y, sample_weight, extras, 1)
                 scaled = model.optimizer.scale_loss(loss) if model.optimizer else loss
             logs = self._track(x, y, y_pred, sample_weight, loss)
-            if trainable:
-                grads = tape.gradient(scaled, trainable)
-                model.optimizer.apply_gradients(zip(grads, trainable))
+            grads = tape.gradient(scaled, model.trainable_weights)
         else:
             grads = self._accumulated_gradients((x, y, sample_weight, extras), num_micro)
-            if trainable:
-                model.optimizer.apply_gradients(zip(grads, trainable))
             logs = model.get_metrics_result()
+        # Read after the forward pass, which builds a lazily built model.
+        trainable = model.trainable_weights
+        if trainable:
+            model.optimizer.apply_gradients(zip(grads, trainable))
+        else:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         ctx = StepContext(model, x, y, sample_weight, None, extras, num_micro)
         for feature in self.features:
             feature.after_update(ctx)
@@ -311,7 +337,6 @@ class Engine:
     def _accumulated_gradients(self, batch, num_micro):
         """Sum of micro-batch gradients, one micro-batch alive at a time."""
         model = self.model
-        trainable = model.trainable_weights
         structure = tf.nest.map_structure(
             lambda t: None if t is None else _split(t, num_micro), batch
         )
@@ -325,7 +350,7 @@ class Engine:
                 y_pred, loss = self._forward(x, y, sample_weight, extras, num_micro)
                 scaled = model.optimizer.scale_loss(loss * tf.cast(inv, loss.dtype))
             self._track(x, y, y_pred, sample_weight, loss)
-            grads = tape.gradient(scaled, trainable)
+            grads = tape.gradient(scaled, model.trainable_weights)
             return [None if g is None else tf.convert_to_tensor(g) for g in grads]
 
         # The first micro-batch runs outside the loop: it fixes which weights get
@@ -462,4 +487,5 @@ __all__ = [
     "logger",
     "scale_for_replicas",
     "unscale_for_replicas",
+    "update_variable",
 ]

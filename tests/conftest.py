@@ -85,3 +85,23 @@ def _fresh_keras_state():
     keras.utils.set_random_seed(0)
     yield
     keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture
+def ktm_records():
+    """Records logged by the package logger "keras_tpu_mem" during the test."""
+    import logging
+
+    records = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = _Collect(level=logging.DEBUG)
+    logger = logging.getLogger("keras_tpu_mem")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
