@@ -2,9 +2,9 @@
 
 Runs anywhere: on a TPU (Colab, TPU VM) it uses TPUStrategy, on a GPU machine
 MirroredStrategy, on a laptop or CI the CPU. The data is scikit-learn's bundled
-digits (no download). Later features are switched on with flags, e.g.
+digits (no download). Features are switched on with flags, e.g.
 
-    python examples/quickstart.py --logical-cpus 2
+    python examples/quickstart.py --logical-cpus 2 --accumulation-steps 4
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def parse_args(argv=None):
     parser.add_argument("--logical-cpus", type=int, default=None,
                         help="without TPU/GPU, mirror over N logical CPUs (replica stand-in)")
     parser.add_argument("--steps-per-execution", type=int, default=4)
+    parser.add_argument("--accumulation-steps", type=int, default=4,
+                        help="micro-batches per update (GradientAccumulation); 1 turns it off")
     return parser.parse_args(argv)
 
 
@@ -76,6 +78,10 @@ def main(argv=None) -> float:
 
     train = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(2048, seed=0)
     callbacks = []
+    if args.accumulation_steps > 1:
+        # The dataset yields the global batch; each replica splits its share into
+        # micro-batches and the optimizer steps once per global batch.
+        callbacks.append(ktm.GradientAccumulation(steps=args.accumulation_steps))
     start = time.perf_counter()
     model.fit(
         tpu.distribute(train, args.global_batch),

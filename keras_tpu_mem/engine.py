@@ -177,7 +177,7 @@ class Engine:
         self._installed = False
         self._next_begin_step: int | None = None
         self._steps_per_epoch: int | None = None
-        self._multi_step = None
+        self._cache = None
         self.num_builds = 0
 
     # ------------------------------------------------------------ attachment
@@ -228,9 +228,18 @@ class Engine:
         for feature in features:
             feature.install(model)
         self._check_compatible()
-        model.train_function = self._build_train_function()
+        # A later fit with the very same feature objects and compile settings
+        # reuses the traced step instead of tracing (and compiling) it again.
+        key = (tuple(features), model.steps_per_execution, model.jit_compile,
+               model.run_eagerly, id(model.distribute_strategy), id(model.optimizer),
+               id(getattr(model, "_compile_loss", None)),
+               id(getattr(model, "_compile_metrics", None)))
+        cached = self._cache
+        if cached is None or not _same_key(cached[0], key):
+            self._cache = (key, self._build_train_function())
+            self.num_builds += 1
+        model.train_function = self._cache[1]
         self._installed = True
-        self.num_builds += 1
         return model.train_function
 
     def _uninstall(self, feature: Feature) -> None:
@@ -441,6 +450,12 @@ class Engine:
             return None
         # The last call of an epoch runs the remainder (9 steps, N=4: 4, 4, 1).
         return max(1, min(spe, total - begin))
+
+
+def _same_key(a, b) -> bool:
+    """Compares cache keys; features by identity (the key holds them, so ids stay valid)."""
+    return (len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0]))
+            and a[1:] == b[1:])
 
 
 def _batch_size(structure):

@@ -86,6 +86,20 @@ def test_installing_twice_gives_one_step():
     assert Engine.attach(model).num_builds == 1
 
 
+def test_same_callbacks_in_a_later_fit_reuse_the_traced_step():
+    x, y = toy_data(128)
+    model = mlp()
+    model.compile(optimizer="sgd", loss=sparse_ce())
+    callback = GradientAccumulation(2)
+    model.fit(batched(x, y, 32), verbose=0, callbacks=[callback])
+    first = model.train_function
+    model.fit(batched(x, y, 32), verbose=0, callbacks=[callback])
+    assert model.train_function is first and Engine.attach(model).num_builds == 1
+    model.compile(optimizer="adam", loss=sparse_ce())  # a new compile: a new step
+    model.fit(batched(x, y, 32), verbose=0, callbacks=[callback])
+    assert model.train_function is not first and Engine.attach(model).num_builds == 2
+
+
 def test_next_fit_without_features_gets_keras_step_back():
     x, y = toy_data(128)
     model = mlp()
