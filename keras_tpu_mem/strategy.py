@@ -64,6 +64,29 @@ def resolve_tpu_address(
     return None, "no TPU named (tpu=None, no TPU_NAME or COLAB_TPU_ADDR, not a TPU VM)"
 
 
+# One strategy per accelerator set and process. Re-running a notebook cell must
+# not build a second TPUStrategy (initialize_tpu_system would wipe the TPU's
+# memory under the first one's variables), and on TensorFlow 2.19 two
+# MirroredStrategy objects over the same devices can mix up their collective
+# all-reduce keys ("Shape mismatch in the collective instance").
+_STRATEGIES: dict[tuple, object] = {}
+
+
+def _shared_strategy(key: tuple, factory):
+    if key not in _STRATEGIES:
+        _STRATEGIES[key] = factory()
+    return _STRATEGIES[key]
+
+
+def mirrored_logical_cpus(count: int):
+    """The process-wide MirroredStrategy over `count` logical CPUs (configured if needed)."""
+    import tensorflow as tf
+
+    configure_logical_cpus(count)
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+    return _shared_strategy(("CPU", tuple(cpus)), lambda: tf.distribute.MirroredStrategy(cpus))
+
+
 def _validate_positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"`{name}` must be a positive int, got {value!r}.")
@@ -161,12 +184,15 @@ class TPUStrategyWrapper:
     def _connect_tpu(self, address: str, reason: str):
         import tensorflow as tf
 
-        try:
+        def connect():
             resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
             if address != "local":
                 tf.config.experimental_connect_to_cluster(resolver)
             tf.tpu.experimental.initialize_tpu_system(resolver)
-            strategy = tf.distribute.TPUStrategy(resolver)
+            return tf.distribute.TPUStrategy(resolver)
+
+        try:
+            strategy = _shared_strategy(("TPU", address), connect)
         except Exception as err:  # TF raises many types here; re-raise with context.
             raise RuntimeError(
                 f"A TPU was requested ({reason}) but connecting to {address!r} failed: "
@@ -175,7 +201,7 @@ class TPUStrategyWrapper:
                 "TensorFlow; see the README). Unset TPU_NAME / COLAB_TPU_ADDR to "
                 "train without a TPU."
             ) from err
-        self._resolver = resolver
+        self._resolver = strategy.cluster_resolver
         return strategy
 
     def _local_strategy(self, logical_cpus, reason):
@@ -192,12 +218,10 @@ class TPUStrategyWrapper:
                 self._gpu_details = tf.config.experimental.get_device_details(gpus[0])
             except Exception:  # details are cosmetic; never fail on them
                 self._gpu_details = {}
-            strategy = tf.distribute.MirroredStrategy()
+            strategy = _shared_strategy(("GPU",), tf.distribute.MirroredStrategy)
             return strategy, "GPU", f"{reason}; found {len(gpus)} GPU(s)"
         if logical_cpus is not None:
-            configure_logical_cpus(logical_cpus)
-            cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
-            strategy = tf.distribute.MirroredStrategy(cpus)
+            strategy = mirrored_logical_cpus(logical_cpus)
             return strategy, "CPU", f"{reason}; no GPU; logical_cpus={logical_cpus} requested"
         return tf.distribute.get_strategy(), "CPU", f"{reason}; no GPU"
 

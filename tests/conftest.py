@@ -16,9 +16,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_tpu_mem.strategy import configure_logical_cpus  # noqa: E402
+from keras_tpu_mem.strategy import mirrored_logical_cpus  # noqa: E402
 
-configure_logical_cpus(2)
+# One MirroredStrategy for the whole session (see strategy._STRATEGIES for why).
+MIRRORED = mirrored_logical_cpus(2)
 
 # The matrix every feature passes on CPU (see ARCHITECTURE.md):
 #   default  - default strategy, jit_compile=False
@@ -33,7 +34,7 @@ class StrategyCase:
     def __init__(self, name: str):
         self.name = name
         if name == "mirrored":
-            self.strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+            self.strategy = MIRRORED
         else:
             self.strategy = tf.distribute.get_strategy()
         self.jit_compile = name == "jit"

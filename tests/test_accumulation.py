@@ -78,7 +78,7 @@ def test_sample_weight_weighted_as_full_batch(mirrored):
 
 def test_remainder_execution_under_mirrored():
     """9 steps per epoch with steps_per_execution=4 run as 4 + 4 + 1 under Mirrored."""
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    from conftest import MIRRORED as strategy
     x, y = toy_data(9 * 16)
     results = []
     for strat, spe, callbacks in ((tf.distribute.get_strategy(), 1, []),

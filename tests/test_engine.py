@@ -191,7 +191,7 @@ def test_unknown_length_data():
     model.fit(unknown(), epochs=2, verbose=0, callbacks=[GradientAccumulation(2)])
     assert int(model.optimizer.iterations.numpy()) == 18
     # Several replicas: a clear error says how to give the length.
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    from conftest import MIRRORED as strategy
     with strategy.scope():
         model = mlp()
         model.compile(optimizer="adam", loss=sparse_ce(), steps_per_execution=4)
