@@ -362,26 +362,42 @@ class Engine:
             grads = tape.gradient(scaled, model.trainable_weights)
             return [None if g is None else tf.convert_to_tensor(g) for g in grads]
 
-        # The first micro-batch runs outside the loop: it fixes which weights get
-        # a gradient at all (None stays None, as in Keras' own step).
-        first = micro_gradients(0)
-        connected = [g is not None for g in first]
-        initial = [g for g in first if g is not None]
+        # Accumulators start at zero for every trainable weight. Which weights
+        # get no gradient at all (None, as in Keras' own step) is learnt while
+        # the loop body is traced, and those stay None for the optimizer.
+        # (Peeling the first micro-batch out of the loop would give the same
+        # answer, but lets the runtime overlap it with the loop's first
+        # iteration, and XLA folds a one-iteration loop into it: two
+        # micro-batches alive at once.)
+        if not all(layer.built for layer in model._flatten_layers()):
+            # A model built outside any strategy scope is built lazily, when the
+            # step is first traced (as Keras' own step does by calling it). The
+            # accumulators need its weights first: call it once on the first
+            # micro-batch. That call is pure (training=False) and its result is
+            # unused, so it is pruned from the step that runs.
+            first_x = tf.nest.map_structure(lambda t: t[0], structure[0])
+            model(first_x, training=False)
+        trainable = model.trainable_weights
+        connected = []
 
         def body(index, *sums):
-            grads = [g for g in micro_gradients(index) if g is not None]
+            grads = micro_gradients(index)
+            if not connected:
+                connected.extend(g is not None for g in grads)
+            grads = [tf.zeros_like(s) if g is None else tf.cast(g, s.dtype)
+                     for s, g in zip(sums, grads)]
             return (index + 1, *[s + g for s, g in zip(sums, grads)])
 
+        initial = [tf.zeros(w.shape, dtype=w.dtype) for w in trainable]
         # parallel_iterations=1: iterations must not overlap, or several
         # micro-batches' activations would be alive at once.
         _, *sums = tf.while_loop(
             lambda index, *sums: index < num_micro,
             body,
-            (tf.constant(1), *initial),
+            (tf.constant(0), *initial),
             parallel_iterations=1,
         )
-        sums = iter(sums)
-        return [next(sums) if c else None for c in connected]
+        return [s if c else None for s, c in zip(sums, connected)]
 
     # -------------------------------------------------- the train function
     def _build_train_function(self) -> Callable:
