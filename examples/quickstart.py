@@ -25,6 +25,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps-per-execution", type=int, default=4)
     parser.add_argument("--accumulation-steps", type=int, default=4,
                         help="micro-batches per update (GradientAccumulation); 1 turns it off")
+    parser.add_argument("--distill-from", default=None, metavar="TEACHER.keras",
+                        help="distil from this saved teacher (logits output) with "
+                             "ktm.Distillation; examples/distill_digits.py makes one")
     return parser.parse_args(argv)
 
 
@@ -73,6 +76,7 @@ def main(argv=None) -> float:
             metrics=["accuracy"],
             steps_per_execution=args.steps_per_execution,
         )
+        teacher = keras.models.load_model(args.distill_from) if args.distill_from else None
 
     import tensorflow as tf
 
@@ -82,6 +86,8 @@ def main(argv=None) -> float:
         # The dataset yields the global batch; each replica splits its share into
         # micro-batches and the optimizer steps once per global batch.
         callbacks.append(ktm.GradientAccumulation(steps=args.accumulation_steps))
+    if teacher is not None:
+        callbacks.append(ktm.Distillation(teacher, temperature=2.0, alpha=0.5))
     start = time.perf_counter()
     model.fit(
         tpu.distribute(train, args.global_batch),

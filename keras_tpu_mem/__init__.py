@@ -18,13 +18,27 @@ except ImportError as _err:  # pragma: no cover - depends on the environment
 
 from keras_tpu_mem.accumulation import GradientAccumulation
 from keras_tpu_mem.devices import HBM_TABLE, AcceleratorSpec, MemoryReading, lookup_tpu
+from keras_tpu_mem.distillation import (
+    Distillation,
+    cache_teacher_logits,
+    distillation_kl,
+    load_teacher_logits,
+    prepare_student,
+    strip_teacher_logits,
+)
 from keras_tpu_mem.strategy import TPUStrategyWrapper
 
 __all__ = [
+    "Distillation",
     "GradientAccumulation",
     "HBM_TABLE",
     "AcceleratorSpec",
     "MemoryReading",
     "TPUStrategyWrapper",
+    "cache_teacher_logits",
+    "distillation_kl",
+    "load_teacher_logits",
     "lookup_tpu",
+    "prepare_student",
+    "strip_teacher_logits",
 ]

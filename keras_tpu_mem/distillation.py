@@ -1,0 +1,823 @@
+"""`Distillation`: knowledge distillation as a callback on the student's own `fit`.
+
+Two ways to get the teacher's logits into the student's train step:
+
+* **live teacher** – `Distillation(teacher)`: the frozen teacher runs in
+  inference mode inside the compiled step, on every replica (and on every
+  micro-batch under `GradientAccumulation`);
+* **cached logits** – `cache_teacher_logits(teacher, dataset)` runs the teacher
+  once and returns a dataset whose elements carry its logits next to each
+  example (optionally saved to disk, `load_teacher_logits(path)` reads them
+  back); `Distillation()` (no teacher) reads them from the batch. The teacher is
+  then not part of the training program at all: its weights take no
+  accelerator memory.
+
+Element structure of a cached dataset: `(data, logits)`, where `data` is the
+original element unchanged (`x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)`)
+and `logits` is a dict with one of two layouts:
+
+* `{"ktm_teacher_logits": [..., classes]}` (all classes), or
+* `{"ktm_teacher_top_k_values": [..., k], "ktm_teacher_top_k_indices": [..., k]}`.
+
+The logits travel inside each element, so `shuffle`, `batch`, `unbatch`,
+`repeat`, `cache` and `tpu.distribute(...)` keep them with their examples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+
+from keras_tpu_mem._utils import logger
+from keras_tpu_mem.engine import EngineCallback
+
+LOGITS_KEY = "ktm_teacher_logits"
+TOP_K_VALUES_KEY = "ktm_teacher_top_k_values"
+TOP_K_INDICES_KEY = "ktm_teacher_top_k_indices"
+_KEYS = frozenset((LOGITS_KEY, TOP_K_VALUES_KEY, TOP_K_INDICES_KEY))
+
+_FORMAT = "keras_tpu_mem.teacher_logits"
+_FORMAT_VERSION = 1
+_METADATA_FILE = "ktm_teacher_logits.json"
+# Examples are written to disk in parts of about this many bytes, so that
+# caching a dataset larger than host memory never holds more than one part.
+_PART_BYTES = 256 * 2**20
+
+
+# --------------------------------------------------------------------------
+# validation helpers
+# --------------------------------------------------------------------------
+def _check_number(value, name, accepted):
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        if isinstance(value, tf.Tensor) and value.shape.rank == 0 and value.dtype.is_floating:
+            return float(value)
+        raise TypeError(f"`{name}` must be {accepted}, got {value!r} ({type(value).__name__}).")
+    return float(value)
+
+
+def _check_temperature(value, where=""):
+    value = _check_number(value, "temperature", "a float > 0 or a callable of the epoch")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`temperature` must be a finite float > 0{where}, got {value}.")
+    return value
+
+
+def _check_alpha(value, where=""):
+    value = _check_number(value, "alpha", "a float in [0, 1] or a callable of the epoch")
+    if not (0.0 <= value <= 1.0):
+        raise ValueError(f"`alpha` must be a float in [0, 1]{where}, got {value}.")
+    return value
+
+
+def _check_top_k(top_k):
+    if top_k is None:
+        return None
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"`top_k` must be None or an int >= 1, got {top_k!r}.")
+    if top_k < 1:
+        raise ValueError(f"`top_k` must be None or an int >= 1, got {top_k}.")
+    return top_k
+
+
+def _check_top_k_classes(top_k, num_classes, who):
+    if top_k is not None and num_classes is not None and top_k > num_classes:
+        raise ValueError(
+            f"`top_k`={top_k} is larger than the number of classes ({num_classes}) of "
+            f"{who}. Use top_k <= {num_classes}, or top_k=None to keep all logits."
+        )
+
+
+def _single_output(value, who):
+    if isinstance(value, (dict, list, tuple)):
+        raise TypeError(
+            f"Distillation needs {who} with a single logits output, got a "
+            f"{type(value).__name__} of outputs."
+        )
+    return value
+
+
+def _ends_in_probabilities(model) -> str | None:
+    """Name of the final activation when the model outputs probabilities."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return None
+    last = layers[-1]
+    if isinstance(last, keras.layers.Softmax):
+        return "softmax"
+    activation = getattr(last, "activation", None)
+    for fn in (keras.activations.softmax, keras.activations.sigmoid):
+        if activation is fn:
+            return fn.__name__
+    return None
+
+
+def _output_classes(model):
+    """The static size of the model's last output axis, or None when unknown."""
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError, TypeError):
+        return None
+    if not outputs or len(outputs) != 1:
+        return None
+    shape = tuple(outputs[0].shape)
+    return shape[-1] if shape else None
+
+
+def _tf_variable(variable):
+    """The TensorFlow variable behind a Keras variable."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _owner(variable):
+    """The strategy a variable is distributed by, or None for a plain variable."""
+    tf_var = _tf_variable(variable)
+    if isinstance(tf_var, tf.distribute.DistributedValues):
+        return tf_var.distribute_strategy
+    return None
+
+
+def _check_same_strategy(teacher, student):
+    """The teacher's variables must live where the student's replicas run.
+
+    They must be distributed by the same strategy as the student's own
+    variables (or, like them, be plain variables).
+    """
+    student_owners = {id(_owner(v)): _owner(v) for v in student.weights}
+    if len(student_owners) != 1:
+        return  # a student with mixed variables: nothing sensible to compare with
+    expected = next(iter(student_owners.values()))
+    strategy = student.distribute_strategy
+    for variable in teacher.weights:
+        if _owner(variable) is expected:
+            continue
+        raise ValueError(
+            f"The teacher's variable {variable.path!r} was not created under the "
+            f"student's strategy ({type(strategy).__name__}, "
+            f"{strategy.num_replicas_in_sync} replica(s)), so the replicas of the train "
+            "step cannot read it where they run. Create or load the teacher inside the "
+            "same `strategy.scope()` as the student (e.g. `with tpu.scope(): teacher = "
+            "keras.models.load_model(...)`), or cache its logits with "
+            "ktm.cache_teacher_logits and pass teacher=None."
+        )
+
+
+# --------------------------------------------------------------------------
+# the KL term
+# --------------------------------------------------------------------------
+def distillation_kl(student_logits, temperature, teacher_logits=None, *,
+                    top_k_values=None, top_k_indices=None):
+    """Per-example `KL(softmax(t/T) || softmax(s/T))` over the last axis, in float32.
+
+    Give either the teacher's full `teacher_logits` or its top-k
+    (`top_k_values`, `top_k_indices`). With top-k, the teacher distribution is
+    `softmax` over the kept classes only (renormalised, zero elsewhere), and the
+    KL is taken against the student's full distribution:
+    `sum_{i in K} p_i (log p_i - log q_i)`.
+
+    Returns:
+        A float32 tensor of the logits' shape without the last axis.
+    """
+    temperature = tf.cast(temperature, tf.float32)
+    s = tf.cast(student_logits, tf.float32) / temperature
+    log_q = tf.nn.log_softmax(s, axis=-1)
+    if teacher_logits is not None:
+        t = tf.cast(teacher_logits, tf.float32) / temperature
+        log_p = tf.nn.log_softmax(t, axis=-1)
+        return tf.reduce_sum(tf.exp(log_p) * (log_p - log_q), axis=-1)
+    t = tf.cast(top_k_values, tf.float32) / temperature
+    log_p = tf.nn.log_softmax(t, axis=-1)
+    indices = tf.cast(top_k_indices, tf.int32)
+    log_q_kept = tf.gather(log_q, indices, batch_dims=len(log_q.shape) - 1)
+    return tf.reduce_sum(tf.exp(log_p) * (log_p - log_q_kept), axis=-1)
+
+
+def _top_k(logits, k):
+    values, indices = tf.math.top_k(tf.cast(logits, tf.float32), k=k)
+    return values, indices
+
+
+def _regularization_loss(model):
+    """The regularisation part of Keras' `compute_loss` (replica-scaled), or None.
+
+    None too when the model overrides `compute_loss`: its total cannot be split,
+    so all of it is weighted by `1 - alpha`.
+    """
+    from keras_tpu_mem.engine import _overrides
+
+    if _overrides(model, "compute_loss"):
+        return None
+    losses = model.losses
+    if not losses:
+        return None
+    return tf.add_n([tf.cast(model._aggregate_additional_loss(loss), tf.float32)
+                     for loss in losses])
+
+
+# --------------------------------------------------------------------------
+# the callback
+# --------------------------------------------------------------------------
+class Distillation(EngineCallback):
+    """Adds a distillation term to the student's loss, inside its own `fit`.
+
+    The loss the student differentiates becomes
+
+        (1 - alpha) * compiled_loss + alpha * T**2 * mean_batch KL(softmax(t/T) || softmax(s/T))
+
+    where `s` are the student's logits, `t` the teacher's and `T` the
+    temperature (Hinton et al., 2015; the `T**2` keeps the gradient scale
+    independent of `T`). The KL term is computed in float32 whatever the
+    student's compute dtype (a float32 teacher with a bfloat16 student works),
+    reduced like Keras' own losses (`sum_over_batch_size`: sample weights and
+    the output mask apply, divided by the number of examples) and scaled for the
+    replicas exactly as Keras scales its loss, so the loss and the update are
+    the same on 1 or N replicas. Under `GradientAccumulation` the term is the
+    mean of each micro-batch, which the engine averages like the compiled loss:
+    the update equals the full batch's.
+
+    **Sample weights** (and `class_weight`, which Keras turns into sample
+    weights) weight the distillation term as they weight the compiled loss, so
+    a padding example with weight 0 contributes nothing at all.
+
+    **Regularisation losses** (`kernel_regularizer`, `add_loss`) keep their
+    full weight; only the compiled loss is weighted by `1 - alpha`. (A model
+    that overrides `compute_loss` has its whole loss weighted by `1 - alpha`.)
+
+    The logged `loss` is the total that is differentiated.
+
+    **Teacher.** With a `teacher` model, it runs frozen (`training=False`,
+    `tf.stop_gradient`, none of its variables trained; BatchNormalization uses
+    its moving statistics) inside the compiled step, on each replica's (micro-)
+    batch. It must be built, output logits of the student's shape, and be
+    created under the same strategy scope as the student. With `teacher=None`
+    the logits come from a dataset made by `cache_teacher_logits` (or
+    `load_teacher_logits`): the teacher takes no memory during training.
+
+    **Top-k.** `top_k=k` keeps the teacher's k largest logits: the teacher
+    distribution is renormalised over those k classes (zero elsewhere) and the
+    KL is taken against the student's full softmax. This is an approximation:
+    it drops the teacher's mass outside the top k (small when the teacher is
+    confident) and pushes the student's mass there towards zero. With a cached
+    top-k dataset, `top_k=None` uses the cached k; a smaller `top_k` uses the
+    first k cached values.
+
+    `temperature` and `alpha` may be callables of the epoch (0-based); they are
+    held in Keras variables updated at the start of every epoch, so changing
+    them never retraces the step, and after a `BackupAndRestore` resume they are
+    recomputed from the restored epoch.
+
+    The student stays the user's model: nothing is wrapped, and after `fit` it
+    is saved, evaluated and used as usual.
+
+    Args:
+        teacher: A built `keras.Model` outputting logits, or `None` to read
+            logits cached in the dataset by `cache_teacher_logits`.
+        temperature: Softmax temperature `T > 0`, or a callable `epoch -> T`.
+        alpha: Weight of the distillation term in `[0, 1]` (`1 - alpha` weights
+            the compiled loss), or a callable `epoch -> alpha`.
+        top_k: `None` (all logits) or the number of teacher logits kept.
+
+    Example:
+
+    ```python
+    import numpy as np, keras, tensorflow as tf
+    import keras_tpu_mem as ktm
+
+    x = np.random.rand(256, 8).astype("float32")
+    y = np.random.randint(0, 4, 256)
+    teacher = keras.Sequential([keras.Input((8,)), keras.layers.Dense(64, activation="relu"),
+                                keras.layers.Dense(4)])
+    student = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    for model in (teacher, student):
+        model.compile(optimizer="adam",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    teacher.fit(x, y, epochs=2, verbose=0)
+
+    # Live teacher inside the student's step:
+    student.fit(x, y, batch_size=32, epochs=1, verbose=0,
+                callbacks=[ktm.Distillation(teacher, temperature=2.0, alpha=0.5)])
+
+    # Or: run the teacher once, train without it.
+    cached = ktm.cache_teacher_logits(teacher, tf.data.Dataset.from_tensor_slices((x, y)).batch(64))
+    student.fit(cached.shuffle(256).batch(32), epochs=1, verbose=0,
+                callbacks=[ktm.Distillation(temperature=2.0, alpha=0.5)])
+    ```
+    """
+
+    name = "distillation"
+    order = 50
+
+    def __init__(self, teacher=None, *, temperature: float | Callable = 2.0,
+                 alpha: float | Callable = 0.5, top_k: int | None = None):
+        super().__init__()
+        if teacher is not None:
+            if not isinstance(teacher, keras.Model):
+                raise TypeError(
+                    "`teacher` must be a keras.Model or None (to read logits cached with "
+                    f"ktm.cache_teacher_logits), got {type(teacher).__name__}."
+                )
+            if not teacher.built:
+                raise ValueError(
+                    "The teacher is not built, so it has no trained weights to distil "
+                    "(it would be built with fresh random weights inside the student's "
+                    "step). Build it first: define it with keras.Input, load it with "
+                    "keras.models.load_model, or call it on a batch."
+                )
+        self.teacher = teacher
+        self.top_k = _check_top_k(top_k)
+        if teacher is not None:
+            _check_top_k_classes(self.top_k, _output_classes(teacher), "the teacher")
+        self._temperature_fn = temperature if callable(temperature) else None
+        self._alpha_fn = alpha if callable(alpha) else None
+        self.temperature = None if callable(temperature) else _check_temperature(temperature)
+        self.alpha = None if callable(alpha) else _check_alpha(alpha)
+        self._variables = None  # (temperature, alpha) Keras variables, made in install
+        self._variables_strategy = None
+
+    # ----------------------------------------------------------- config
+    def get_config(self):
+        """The schedule and top-k; the teacher (a model) is saved separately."""
+
+        def value(constant, fn):
+            if fn is None:
+                return constant
+            return keras.saving.serialize_keras_object(fn)
+
+        return {
+            "temperature": value(self.temperature, self._temperature_fn),
+            "alpha": value(self.alpha, self._alpha_fn),
+            "top_k": self.top_k,
+        }
+
+    @classmethod
+    def from_config(cls, config, teacher=None):
+        config = dict(config)
+        for key in ("temperature", "alpha"):
+            if isinstance(config.get(key), dict):
+                config[key] = keras.saving.deserialize_keras_object(config[key])
+        return cls(teacher, **config)
+
+    # --------------------------------------------------- current values
+    def _value(self, constant, fn, epoch, check):
+        if fn is None:
+            return constant
+        return check(fn(epoch), where=f" (returned by the schedule for epoch {epoch})")
+
+    def _assign(self, epoch):
+        temperature = self._value(self.temperature, self._temperature_fn, epoch,
+                                  _check_temperature)
+        alpha = self._value(self.alpha, self._alpha_fn, epoch, _check_alpha)
+        t_var, a_var = self._variables
+        t_var.assign(temperature)
+        a_var.assign(alpha)
+
+    # ----------------------------------------------------------- engine
+    def install(self, model):
+        strategy = model.distribute_strategy
+        teacher = self.teacher
+        if teacher is not None:
+            if teacher is model:
+                raise ValueError("The teacher is the student itself; pass a separate model.")
+            trainable = {id(_tf_variable(v)) for v in model.trainable_weights}
+            shared = [v.path for v in teacher.weights if id(_tf_variable(v)) in trainable]
+            if shared:
+                raise ValueError(
+                    "The teacher shares variables with the student's trainable weights "
+                    f"({', '.join(shared[:3])}{', ...' if len(shared) > 3 else ''}); "
+                    "Distillation keeps the teacher frozen, so use a separate teacher model."
+                )
+            _check_same_strategy(teacher, model)
+            t_classes, s_classes = _output_classes(teacher), _output_classes(model)
+            if t_classes is not None and s_classes is not None and t_classes != s_classes:
+                raise ValueError(
+                    f"The teacher outputs {t_classes} logits per example but the student "
+                    f"outputs {s_classes}; Distillation needs the same classes in the same "
+                    "order."
+                )
+            which = _ends_in_probabilities(teacher)
+            if which:
+                raise ValueError(
+                    f"The teacher's last layer applies {which}: Distillation needs logits. "
+                    "Remove the final activation (and compile with from_logits=True)."
+                )
+        which = _ends_in_probabilities(model)
+        if which:
+            raise ValueError(
+                f"The student's last layer applies {which}: Distillation needs logits. "
+                "Remove the final activation and compile the loss with from_logits=True."
+            )
+        if self._variables is None or self._variables_strategy is not strategy:
+            with strategy.scope():
+                self._variables = (
+                    keras.Variable(1.0, dtype="float32", trainable=False,
+                                   name="distillation_temperature"),
+                    keras.Variable(0.0, dtype="float32", trainable=False,
+                                   name="distillation_alpha"),
+                )
+            self._variables_strategy = strategy
+        # Constants are final now; schedules are set at every epoch start (a
+        # resumed fit starts at the restored epoch).
+        self._assign(int(getattr(model, "_initial_epoch", None) or 0))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._variables is not None:
+            self._assign(epoch)
+
+    def split_extras(self, data):
+        if _is_cached_element(data):
+            if self.teacher is not None:
+                raise ValueError(
+                    "The dataset carries cached teacher logits and Distillation was also "
+                    "given a teacher: pass teacher=None to train from the cached logits, "
+                    "or a dataset without them to use the live teacher."
+                )
+            data, logits = data
+            return data, dict(logits)
+        if self.teacher is None:
+            raise ValueError(
+                "Distillation(teacher=None) reads teacher logits cached in the dataset, but "
+                "its elements carry none. Make the dataset with "
+                "ktm.cache_teacher_logits(teacher, dataset) or "
+                "ktm.load_teacher_logits(path), or pass the teacher model."
+            )
+        return data, {}
+
+    def transform_loss(self, loss, ctx):
+        from keras.src.losses.loss import reduce_weighted_values
+
+        student = _single_output(ctx.y_pred, "a student")
+        classes = student.shape[-1]
+        temperature, alpha = self._variables
+        if self.teacher is not None:
+            teacher = self.teacher(ctx.x, training=False)
+            teacher = tf.stop_gradient(_single_output(teacher, "a teacher"))
+            if teacher.shape.as_list()[1:] != student.shape.as_list()[1:]:
+                raise ValueError(
+                    f"The teacher's logits have shape {teacher.shape} per batch but the "
+                    f"student's have {student.shape}; Distillation needs the same shape "
+                    "(the same classes in the same order)."
+                )
+            if self.top_k is None:
+                kl = distillation_kl(student, temperature.value, teacher)
+            else:
+                _check_top_k_classes(self.top_k, classes, "the teacher")
+                values, indices = _top_k(teacher, self.top_k)
+                kl = distillation_kl(student, temperature.value, top_k_values=values,
+                                     top_k_indices=indices)
+        else:
+            kl = self._cached_kl(student, ctx.extras, temperature.value)
+        mask = getattr(student, "_keras_mask", None)
+        # Keras' own reduction: sample weights and mask apply, divided by the
+        # number of examples, then by the number of replicas.
+        term = reduce_weighted_values(kl, sample_weight=ctx.sample_weight, mask=mask,
+                                      reduction="sum_over_batch_size", dtype="float32")
+        alpha = tf.cast(alpha.value, tf.float32)
+        term = alpha * tf.square(tf.cast(temperature.value, tf.float32)) * term
+        # Regularisation losses (kernel_regularizer, add_loss) keep their full
+        # weight: `loss` includes them, so give back the alpha part.
+        regularization = _regularization_loss(ctx.model)
+        if regularization is not None:
+            term = term + alpha * regularization
+        return tf.cast(1.0 - alpha, loss.dtype) * loss + tf.cast(term, loss.dtype)
+
+    def _cached_kl(self, student, extras, temperature):
+        classes = student.shape[-1]
+        if LOGITS_KEY in extras:
+            logits = extras[LOGITS_KEY]
+            if logits.shape.as_list()[1:] != student.shape.as_list()[1:]:
+                raise ValueError(
+                    f"The cached teacher logits have shape {logits.shape} per batch but the "
+                    f"student's logits have {student.shape}; the cache was made with "
+                    "another teacher (different classes)."
+                )
+            if self.top_k is None:
+                return distillation_kl(student, temperature, logits)
+            _check_top_k_classes(self.top_k, classes, "the cached teacher logits")
+            values, indices = _top_k(logits, self.top_k)
+        else:
+            values, indices = extras[TOP_K_VALUES_KEY], extras[TOP_K_INDICES_KEY]
+            cached_k = values.shape[-1]
+            if values.shape.as_list()[1:-1] != student.shape.as_list()[1:-1]:
+                raise ValueError(
+                    f"The cached teacher top-k logits have shape {values.shape} per batch, "
+                    f"which does not match the student's logits {student.shape}."
+                )
+            _check_top_k_classes(cached_k, classes, "the student")
+            if self.top_k is not None:
+                if self.top_k > cached_k:
+                    raise ValueError(
+                        f"Distillation(top_k={self.top_k}) but the dataset caches only the "
+                        f"teacher's top {cached_k} logits; use top_k <= {cached_k} or "
+                        "top_k=None (all cached)."
+                    )
+                values, indices = values[..., : self.top_k], indices[..., : self.top_k]
+        return distillation_kl(student, temperature, top_k_values=values,
+                               top_k_indices=indices)
+
+
+# --------------------------------------------------------------------------
+# cached logits
+# --------------------------------------------------------------------------
+def _is_cached_element(data) -> bool:
+    return (
+        isinstance(data, tuple)
+        and len(data) == 2
+        and isinstance(data[1], dict)
+        and bool(data[1])
+        and set(data[1]) <= _KEYS
+    )
+
+
+def _teacher_runner(teacher, strategy, top_k):
+    """A compiled function: global batch of inputs -> teacher logits, on all replicas."""
+    import numpy as np
+
+    replicas = strategy.num_replicas_in_sync
+
+    def replica_fn(x):
+        out = _single_output(teacher(x, training=False), "a teacher")
+        out = tf.cast(out, tf.float32)
+        if top_k is None:
+            return {LOGITS_KEY: out}
+        _check_top_k_classes(top_k, out.shape[-1], "the teacher")
+        values, indices = _top_k(out, top_k)
+        return {TOP_K_VALUES_KEY: values, TOP_K_INDICES_KEY: indices}
+
+    @tf.function(reduce_retracing=True, autograph=False)
+    def run(per_replica_x):
+        return strategy.run(replica_fn, args=(per_replica_x,))
+
+    def call(x):
+        size = int(tf.shape(tf.nest.flatten(x)[0])[0])
+        per = -(-size // replicas)
+        pad = per * replicas - size
+
+        def padded(t):
+            t = tf.convert_to_tensor(t)
+            if pad:
+                t = tf.concat([t, tf.repeat(t[-1:], pad, axis=0)], axis=0)
+            return t
+
+        x = tf.nest.map_structure(padded, x)
+        if replicas == 1:
+            per_replica = x
+        else:
+            per_replica = strategy.experimental_distribute_values_from_function(
+                lambda ctx: tf.nest.map_structure(
+                    lambda t: t[ctx.replica_id_in_sync_group * per:
+                                (ctx.replica_id_in_sync_group + 1) * per], x))
+        outputs = run(per_replica)
+        # Replica results in replica order: the order of the batch's slices.
+        return {k: np.concatenate([t.numpy() for t in strategy.experimental_local_results(v)],
+                                  axis=0)[:size]
+                for k, v in outputs.items()}
+
+    return call
+
+
+def _numpy_structure(data):
+    def to_numpy(t):
+        if isinstance(t, (tf.SparseTensor, tf.RaggedTensor)):
+            raise TypeError(
+                "cache_teacher_logits supports datasets of dense tensors; got a "
+                f"{type(t).__name__}."
+            )
+        return t.numpy()
+
+    return tf.nest.map_structure(to_numpy, data)
+
+
+def _concat(parts):
+    import numpy as np
+
+    return tf.nest.map_structure(lambda *xs: np.concatenate(xs, axis=0), *parts)
+
+
+def _nbytes(structure):
+    return sum(getattr(a, "nbytes", 0) for a in tf.nest.flatten(structure))
+
+
+def cache_teacher_logits(teacher, dataset, *, top_k: int | None = None,
+                         path: str | os.PathLike | None = None):
+    """Runs the teacher once and returns the examples with its logits attached.
+
+    The teacher runs in inference mode (`training=False`) under the current
+    strategy (the one whose scope is active, else the teacher's), each batch
+    split over the replicas. Every returned element is `(data, logits)`:
+    `data` is the input element unchanged and `logits` a dict of the teacher's
+    float32 logits (all classes, or the `top_k` largest values and their
+    indices). Because the logits sit inside each element, shuffling and
+    re-batching the result keeps them with their examples. Train the student
+    with `Distillation()` (no teacher) on it.
+
+    The returned dataset holds **single examples** (the input's batches are
+    split): shuffle and batch it as you would the original examples, e.g.
+    `tpu.distribute(cached.shuffle(n), global_batch_size)`.
+
+    Without `path` the examples and logits are kept in host memory. With
+    `path` they are written there (in parts of about 256 MiB, with
+    `tf.data.Dataset.save`) and the returned dataset reads them back from disk;
+    a later run, on another machine, calls `load_teacher_logits(path)` and
+    never loads the teacher.
+
+    If the student was created under a strategy scope and has not been trained
+    yet, call `prepare_student(student, batched_cached_dataset)` before its first
+    `fit` (Keras builds such a model from the raw first batch before any
+    callback runs).
+
+    Args:
+        teacher: A built `keras.Model` with one logits output.
+        dataset: A finite `tf.data.Dataset` of **batches** (`x`, `(x, y)` or
+            `(x, y, sample_weight)`, as passed to `fit`). It is iterated once.
+        top_k: `None` to keep all logits, or how many of the largest to keep
+            (with their class indices): k/classes of the storage.
+        path: Optional directory to save the cache to; must not exist yet or be
+            empty.
+
+    Returns:
+        A `tf.data.Dataset` of `(data, logits)` single examples.
+
+    Example:
+
+    ```python
+    cached = ktm.cache_teacher_logits(teacher, train_ds.batch(256), path="gs://bucket/logits")
+    # later, anywhere, without the teacher:
+    cached = ktm.load_teacher_logits("gs://bucket/logits")
+    student.fit(cached.shuffle(10_000).batch(128), callbacks=[ktm.Distillation()])
+    ```
+    """
+    if not isinstance(teacher, keras.Model):
+        raise TypeError(f"`teacher` must be a keras.Model, got {type(teacher).__name__}.")
+    if not teacher.built:
+        raise ValueError(
+            "The teacher is not built (it has no trained weights). Build or load it first."
+        )
+    which = _ends_in_probabilities(teacher)
+    if which:
+        raise ValueError(
+            f"The teacher's last layer applies {which}: cache_teacher_logits needs logits. "
+            "Remove the final activation."
+        )
+    if not isinstance(dataset, tf.data.Dataset):
+        raise TypeError(
+            "`dataset` must be a tf.data.Dataset of batches, e.g. "
+            f"tf.data.Dataset.from_tensor_slices((x, y)).batch(256); got "
+            f"{type(dataset).__name__}."
+        )
+    top_k = _check_top_k(top_k)
+    _check_top_k_classes(top_k, _output_classes(teacher), "the teacher")
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "`dataset` is infinite (e.g. `.repeat()`); cache_teacher_logits iterates it "
+            "once to the end. Pass the finite dataset and repeat the result instead."
+        )
+    if _is_cached_element(dataset.element_spec):
+        raise ValueError("`dataset` already carries cached teacher logits.")
+    if path is not None:
+        path = os.fspath(path)
+        if tf.io.gfile.exists(path) and tf.io.gfile.listdir(path):
+            raise ValueError(
+                f"`path` {path!r} already exists and is not empty; choose a new directory "
+                "(the cache is never overwritten)."
+            )
+        tf.io.gfile.makedirs(path)
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    strategy = (tf.distribute.get_strategy() if tf.distribute.has_strategy()
+                else teacher.distribute_strategy)
+    run = _teacher_runner(teacher, strategy, top_k)
+    pending, pending_bytes, parts, total = [], 0, [], 0
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        name = f"part-{len(parts):05d}"
+        tf.data.Dataset.from_tensor_slices(_concat(pending)).save(os.path.join(path, name))
+        parts.append(name)
+        pending, pending_bytes = [], 0
+
+    for batch in dataset:
+        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        logits = run(x)
+        element = (_numpy_structure(batch), logits)
+        total += len(next(iter(logits.values())))
+        pending.append(element)
+        pending_bytes += _nbytes(element)
+        if path is not None and pending_bytes >= _PART_BYTES:
+            flush()
+    if total == 0:
+        raise ValueError("`dataset` is empty: there is nothing to cache.")
+    logger.info("cache_teacher_logits: %d examples, %s.", total,
+                "all logits" if top_k is None else f"top {top_k} logits")
+    if path is None:
+        return tf.data.Dataset.from_tensor_slices(_concat(pending))
+    flush()
+    metadata = {"format": _FORMAT, "version": _FORMAT_VERSION, "top_k": top_k,
+                "num_examples": total, "parts": parts}
+    with tf.io.gfile.GFile(os.path.join(path, _METADATA_FILE), "w") as f:
+        json.dump(metadata, f, indent=1)
+    return load_teacher_logits(path)
+
+
+def load_teacher_logits(path: str | os.PathLike):
+    """Reads a cache written by `cache_teacher_logits(..., path=...)`, without the teacher.
+
+    Args:
+        path: The directory given to `cache_teacher_logits`.
+
+    Returns:
+        A `tf.data.Dataset` of `(data, logits)` single examples, in the order
+        they were cached (shuffle it for training).
+
+    Raises:
+        ValueError: if `path` holds no teacher-logit cache.
+
+    Example:
+
+    ```python
+    cached = ktm.load_teacher_logits("/data/digits_logits")
+    student.fit(cached.shuffle(2048).batch(64), callbacks=[ktm.Distillation(temperature=4.0)])
+    ```
+    """
+    path = os.fspath(path)
+    meta_path = os.path.join(path, _METADATA_FILE)
+    if not tf.io.gfile.exists(meta_path):
+        raise ValueError(
+            f"{path!r} holds no teacher-logit cache (no {_METADATA_FILE}); write one with "
+            "ktm.cache_teacher_logits(teacher, dataset, path=...)."
+        )
+    with tf.io.gfile.GFile(meta_path) as f:
+        metadata = json.load(f)
+    if metadata.get("format") != _FORMAT or metadata.get("version") != _FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_path!r} is not a keras_tpu_mem teacher-logit cache of version "
+            f"{_FORMAT_VERSION} (found format={metadata.get('format')!r}, "
+            f"version={metadata.get('version')!r})."
+        )
+    dataset = None
+    for name in metadata["parts"]:
+        part = tf.data.Dataset.load(os.path.join(path, name))
+        dataset = part if dataset is None else dataset.concatenate(part)
+    return dataset.apply(tf.data.experimental.assert_cardinality(metadata["num_examples"]))
+
+
+def strip_teacher_logits(dataset):
+    """The dataset without its cached logits (the original elements)."""
+    if not _is_cached_element(dataset.element_spec):
+        raise ValueError("`dataset` carries no cached teacher logits.")
+    return dataset.map(lambda data, logits: data)
+
+
+def prepare_student(student, dataset) -> None:
+    """Builds a student made under a strategy scope before its first fit on cached logits.
+
+    Keras builds a model created inside `strategy.scope()` (its compiled loss
+    and metrics) from the first batch of the data, *before* any callback runs,
+    and would take the cached logits for part of the data. This does that build
+    from the first batch of `dataset` without them; afterwards `fit` does not
+    rebuild. A student created outside any strategy scope, or one that has
+    already been trained or evaluated, needs no preparation (calling this is
+    harmless).
+
+    Args:
+        student: The compiled student model.
+        dataset: The **batched** cached dataset you will pass to `fit`.
+
+    Example:
+
+    ```python
+    with tpu.scope():
+        student = build_student()
+        student.compile(optimizer="adam", loss=loss)
+    train = tpu.distribute(ktm.load_teacher_logits(path).shuffle(50_000), 1024)
+    ktm.prepare_student(student, train)
+    student.fit(train, callbacks=[ktm.Distillation()])
+    ```
+    """
+    if not isinstance(student, keras.Model):
+        raise TypeError(f"`student` must be a keras.Model, got {type(student).__name__}.")
+    if not isinstance(dataset, tf.data.Dataset) or not _is_cached_element(dataset.element_spec):
+        raise ValueError(
+            "`dataset` must be the batched tf.data.Dataset of cached teacher logits you "
+            "will pass to fit (from cache_teacher_logits / load_teacher_logits)."
+        )
+    batch = next(iter(strip_teacher_logits(dataset).take(1)))
+    with student.distribute_strategy.scope():
+        student._symbolic_build(data_batch=batch)
+
+
+__all__ = [
+    "Distillation",
+    "cache_teacher_logits",
+    "distillation_kl",
+    "load_teacher_logits",
+    "prepare_student",
+    "strip_teacher_logits",
+]

@@ -1,0 +1,641 @@
+"""Tests for keras_tpu_mem.distillation (Distillation, cache_teacher_logits).
+
+References are independent of the engine: a numpy float64 re-implementation of
+SGD on a linear student with the distillation loss, hand-computed T^2 * KL,
+and plain training with a live teacher.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_tpu_mem.distillation as dist
+from keras_tpu_mem.accumulation import GradientAccumulation
+from keras_tpu_mem.distillation import (
+    Distillation,
+    cache_teacher_logits,
+    distillation_kl,
+    load_teacher_logits,
+    prepare_student,
+)
+from keras_tpu_mem.engine import StepContext
+
+FEATURES, CLASSES, BATCH, STEPS, LR = 6, 5, 16, 5, 0.5
+
+
+# --------------------------------------------------------------- references
+def np_log_softmax(z):
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def np_kl(student, teacher, temperature, top_k=None):
+    """Per-example KL(softmax(t/T) || softmax(s/T)) in float64."""
+    log_q = np_log_softmax(np.float64(student) / temperature)
+    t = np.float64(teacher) / temperature
+    if top_k is not None:
+        idx = np.argsort(-t, axis=-1)[..., :top_k]
+        log_p = np_log_softmax(np.take_along_axis(t, idx, -1))
+        return (np.exp(log_p) * (log_p - np.take_along_axis(log_q, idx, -1))).sum(-1)
+    log_p = np_log_softmax(t)
+    return (np.exp(log_p) * (log_p - log_q)).sum(-1)
+
+
+def np_train(w, b, x, y, teacher_logits, *, temperature, alpha, steps=STEPS, batch=BATCH,
+             lr=LR, sample_weight=None, l2=0.0):
+    """SGD on a linear student with (1-a) CE + a T^2 KL, in float64.
+
+    Returns the weights after `steps` batches and the mean logged loss.
+    """
+    w, b = np.float64(w).copy(), np.float64(b).copy()
+    losses = []
+    for step in range(steps):
+        sl = slice(step * batch, (step + 1) * batch)
+        xb, yb, tb = np.float64(x[sl]), y[sl], np.float64(teacher_logits[sl])
+        sw = np.ones(len(xb)) if sample_weight is None else np.float64(sample_weight[sl])
+        s = xb @ w + b
+        log_q1 = np_log_softmax(s)
+        ce = -log_q1[np.arange(len(yb)), yb]
+        kl = np_kl(s, tb, temperature)
+        losses.append((1 - alpha) * (sw * ce).mean() + alpha * temperature**2 * (sw * kl).mean()
+                      + l2 * (w**2).sum())
+        onehot = np.eye(CLASSES)[yb]
+        p_t = np.exp(np_log_softmax(tb / temperature))
+        q_t = np.exp(np_log_softmax(s / temperature))
+        grad_s = ((1 - alpha) * (np.exp(log_q1) - onehot)
+                  + alpha * temperature * (q_t - p_t)) * sw[:, None] / len(xb)
+        w -= lr * (xb.T @ grad_s + 2 * l2 * w)
+        b -= lr * grad_s.sum(0)
+    return w, b, float(np.mean(losses))
+
+
+# --------------------------------------------------------------- fixtures
+def make_data(n=BATCH * STEPS, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, size=n).astype("int32")
+    return x, y
+
+
+def linear(seed, name=None, dtype=None):
+    rng = np.random.default_rng(seed)
+    model = keras.Sequential([keras.Input((FEATURES,)),
+                              keras.layers.Dense(CLASSES, dtype=dtype)], name=name)
+    model.set_weights([rng.normal(size=(FEATURES, CLASSES)).astype("float32"),
+                       rng.normal(size=(CLASSES,)).astype("float32") * 0.1])
+    return model
+
+
+def compile_student(model, case=None, **kwargs):
+    kwargs = case.compile_kwargs(**kwargs) if case is not None else kwargs
+    model.compile(optimizer=keras.optimizers.SGD(LR),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **kwargs)
+    return model
+
+
+def teacher_np_logits(x, seed=7):
+    t = linear(seed)
+    w, b = t.get_weights()
+    return np.float64(x) @ w + b
+
+
+def fit(model, data, callbacks, epochs=1, **kwargs):
+    return model.fit(data, epochs=epochs, callbacks=callbacks, verbose=0, shuffle=False,
+                     **kwargs)
+
+
+def batched(x, y, batch=BATCH, sample_weight=None):
+    parts = (x, y) if sample_weight is None else (x, y, sample_weight)
+    return tf.data.Dataset.from_tensor_slices(parts).batch(batch)
+
+
+def cached(teacher, x, y, batch=BATCH, top_k=None, path=None, student=None, **kwargs):
+    """The cached dataset, re-batched; prepares a strategy-scoped student."""
+    data = cache_teacher_logits(teacher, batched(x, y, 32, **kwargs), top_k=top_k,
+                                path=path).batch(batch)
+    if student is not None:
+        prepare_student(student, data)
+    return data
+
+
+def weights_close(a, b, atol=1e-5):
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(u, v, rtol=0, atol=atol)
+
+
+# ================================================================ the term
+@pytest.mark.parametrize("temperature", [1.0, 2.5, 7.0])
+@pytest.mark.parametrize("top_k", [None, 2])
+def test_added_term_equals_numpy_t2_kl(temperature, top_k):
+    rng = np.random.default_rng(3)
+    student_logits = rng.normal(scale=3.0, size=(12, CLASSES)).astype("float32")
+    teacher_logits = rng.normal(scale=3.0, size=(12, CLASSES)).astype("float32")
+    sample_weight = rng.uniform(0.0, 2.0, size=12).astype("float32")
+    student = linear(3)
+    callback = Distillation(temperature=temperature, alpha=0.3, top_k=top_k)
+    callback.set_model(student)
+    callback.install(student)
+    extras = {dist.LOGITS_KEY: tf.constant(teacher_logits)}
+    ctx = StepContext(student, None, None, tf.constant(sample_weight),
+                      tf.constant(student_logits), extras)
+    base = tf.constant(1.25)
+    total = float(callback.transform_loss(base, ctx))
+    kl = np_kl(student_logits, teacher_logits, temperature, top_k)
+    expected = 0.7 * 1.25 + 0.3 * temperature**2 * np.mean(np.float64(sample_weight) * kl)
+    np.testing.assert_allclose(total, expected, rtol=1e-5)
+    # The per-example KL itself, in float32 against float64:
+    np.testing.assert_allclose(
+        distillation_kl(student_logits, temperature, teacher_logits).numpy(),
+        np_kl(student_logits, teacher_logits, temperature), rtol=1e-5, atol=1e-7)
+
+
+def test_term_is_float32_for_a_bfloat16_student():
+    rng = np.random.default_rng(4)
+    s16 = tf.cast(rng.normal(scale=4.0, size=(64, CLASSES)), tf.bfloat16)
+    t32 = rng.normal(scale=4.0, size=(64, CLASSES)).astype("float32")
+    kl = distillation_kl(s16, 3.0, t32)
+    assert kl.dtype == tf.float32
+    # Exact against float64 on the bf16 values: a bf16 computation would be ~1e-2 off.
+    expected = np_kl(np.float64(tf.cast(s16, tf.float32).numpy()), t32, 3.0)
+    np.testing.assert_allclose(kl.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_top_k_with_all_classes_equals_full_logits():
+    rng = np.random.default_rng(5)
+    s, t = rng.normal(size=(8, CLASSES)), rng.normal(size=(8, CLASSES))
+    values, indices = tf.math.top_k(tf.constant(t, tf.float32), k=CLASSES)
+    np.testing.assert_allclose(
+        distillation_kl(s, 2.0, top_k_values=values, top_k_indices=indices).numpy(),
+        distillation_kl(s, 2.0, t).numpy(), rtol=1e-6, atol=1e-7)
+
+
+# ================================================================ the matrix
+def setup_case(case, **compile_kwargs):
+    with case.strategy.scope():
+        student = compile_student(linear(3), case, **compile_kwargs)
+        teacher = linear(7)
+    return student, teacher
+
+
+def reference(x, y, **kwargs):
+    w0, b0 = linear(3).get_weights()
+    kwargs.setdefault("temperature", 2.0)
+    kwargs.setdefault("alpha", 0.3)
+    return np_train(w0, b0, x, y, teacher_np_logits(x), **kwargs)
+
+
+@pytest.mark.parametrize("source", ["live", "cache"])
+def test_fit_equals_numpy_reference(strategy_case, source):
+    """5 SGD steps: weights and logged loss equal float64 numpy, on 1 or 2 replicas."""
+    x, y = make_data()
+    student, teacher = setup_case(strategy_case)
+    if source == "live":
+        data, callback = batched(x, y), Distillation(teacher, temperature=2.0, alpha=0.3)
+    else:
+        data = cached(teacher, x, y, student=student)
+        callback = Distillation(temperature=2.0, alpha=0.3)
+    history = fit(student, data, [callback])
+    ref_w, ref_b, ref_loss = reference(x, y)
+    weights_close(student.get_weights(), [ref_w, ref_b])
+    np.testing.assert_allclose(history.history["loss"][0], ref_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case_name, source", [("default", "live"), ("mirrored", "cache"),
+                                               ("mirrored", "live")])
+def test_steps_per_execution(case_name, source):
+    """steps_per_execution=2 over 5 steps (2 + 2 + 1) equals the reference."""
+    from conftest import StrategyCase
+
+    case = StrategyCase(case_name)
+    x, y = make_data()
+    student, teacher = setup_case(case, steps_per_execution=2)
+    if source == "live":
+        data, callback = batched(x, y), Distillation(teacher, temperature=2.0, alpha=0.3)
+    else:
+        data = cached(teacher, x, y, student=student)
+        callback = Distillation(temperature=2.0, alpha=0.3)
+    history = fit(student, data, [callback])
+    ref_w, ref_b, ref_loss = reference(x, y)
+    weights_close(student.get_weights(), [ref_w, ref_b])
+    np.testing.assert_allclose(history.history["loss"][0], ref_loss, rtol=1e-5)
+    assert int(student.optimizer.iterations.numpy()) == STEPS
+
+
+def test_sample_weight_weights_the_distillation_term():
+    x, y = make_data()
+    sw = np.random.default_rng(9).uniform(0, 2, size=len(x)).astype("float32")
+    sw[::4] = 0.0
+    student, teacher = compile_student(linear(3)), linear(7)
+    fit(student, batched(x, y, sample_weight=sw), [Distillation(teacher, temperature=2.0,
+                                                                alpha=0.3)])
+    ref_w, ref_b, _ = reference(x, y, sample_weight=sw)
+    weights_close(student.get_weights(), [ref_w, ref_b])
+
+
+def test_regularization_keeps_its_full_weight():
+    x, y = make_data()
+    student = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(
+        CLASSES, kernel_regularizer=keras.regularizers.L2(0.05))])
+    student.set_weights(linear(3).get_weights())
+    compile_student(student)
+    history = fit(student, batched(x, y), [Distillation(linear(7), temperature=2.0, alpha=0.3)])
+    ref_w, ref_b, ref_loss = reference(x, y, l2=0.05)
+    weights_close(student.get_weights(), [ref_w, ref_b])
+    np.testing.assert_allclose(history.history["loss"][0], ref_loss, rtol=1e-5)
+
+
+# ================================================================ composition
+@pytest.mark.parametrize("case_name, source, order", [
+    ("default", "live", "accumulation_first"),
+    ("default", "live", "distillation_first"),
+    ("mirrored", "cache", "distillation_first"),
+])
+def test_gradient_accumulation_equals_full_batch(case_name, source, order):
+    """Distillation + GradientAccumulation(4): micro-batches of 4 (2 per replica) give
+    the full batch's update; the callbacks' order does not matter."""
+    from conftest import StrategyCase
+
+    case = StrategyCase(case_name)
+    x, y = make_data()
+    student, teacher = setup_case(case)
+    if source == "live":
+        data, distill = batched(x, y), Distillation(teacher, temperature=2.0, alpha=0.3)
+    else:
+        data = cached(teacher, x, y, student=student)
+        distill = Distillation(temperature=2.0, alpha=0.3)
+    callbacks = [GradientAccumulation(steps=4 // case.num_replicas), distill]
+    if order == "distillation_first":
+        callbacks.reverse()
+    history = fit(student, data, callbacks)
+    ref_w, ref_b, ref_loss = reference(x, y)
+    weights_close(student.get_weights(), [ref_w, ref_b])
+    np.testing.assert_allclose(history.history["loss"][0], ref_loss, rtol=1e-5)
+
+
+def test_composes_with_bfloat16_pruning_and_accumulation_in_any_order():
+    """MixedBFloat16 + Pruning + GradientAccumulation + Distillation: the callbacks'
+    order does not change the result; the teacher keeps its float32 policy."""
+    from keras_tpu_mem.precision import MixedBFloat16
+    from keras_tpu_mem.pruning import Pruning
+    from keras_tpu_mem.pruning_schedules import ConstantSparsity
+
+    x, y = make_data()
+    keras.utils.set_random_seed(4)
+    teacher = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(64, activation="relu"),
+                                keras.layers.Dense(CLASSES)])
+    keras.utils.set_random_seed(5)
+    initial = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu"),
+                                keras.layers.Dense(CLASSES)]).get_weights()
+    results, losses = [], []
+    for reverse in (False, True):
+        student = keras.Sequential([keras.Input((FEATURES,)),
+                                    keras.layers.Dense(16, activation="relu"),
+                                    keras.layers.Dense(CLASSES)])
+        student.set_weights(initial)
+        compile_student(student)
+        callbacks = [MixedBFloat16(), Pruning(ConstantSparsity(0.5, begin_step=0, frequency=1)),
+                     GradientAccumulation(steps=2), Distillation(teacher, alpha=0.5)]
+        if reverse:
+            callbacks.reverse()
+        history = fit(student, batched(x, y), callbacks)
+        results.append(student.get_weights())
+        losses.append(history.history["loss"][0])
+    weights_close(*results, atol=1e-6)
+    assert np.isfinite(losses).all() and losses[0] == pytest.approx(losses[1], rel=1e-6)
+    kernel = student.layers[0].kernel.numpy()
+    assert 0.45 <= float(np.mean(kernel == 0)) <= 0.55
+    assert all(layer.compute_dtype == "float32" for layer in teacher.layers)
+
+
+# ================================================================ the cache
+def digits_models(seed=0):
+    keras.utils.set_random_seed(seed)
+    teacher = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                                keras.layers.Dense(10)])
+    student = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                                keras.layers.Dense(10)])
+    student.compile(optimizer=keras.optimizers.Adam(1e-2),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return teacher, student
+
+
+def test_shuffled_cache_trains_like_live_teacher_on_digits(digits):
+    """The cache is shuffled after caching (reshuffled every epoch): the logits must
+    travel with their examples to reproduce the live teacher's training."""
+    (x, y), _ = digits
+    x, y = x[:512], y[:512]
+    weights = {}
+    for source in ("live", "cache", "misaligned"):
+        teacher, student = digits_models()
+        examples = tf.data.Dataset.from_tensor_slices((x, y))
+        if source == "live":
+            data, callback = examples, Distillation(teacher, temperature=3.0, alpha=0.7)
+        else:
+            data = cache_teacher_logits(teacher, examples.batch(100))
+            if source == "misaligned":  # control: logits of other examples
+                logits = np.stack([e[1][dist.LOGITS_KEY] for e in data.as_numpy_iterator()])
+                data = tf.data.Dataset.from_tensor_slices(
+                    ((x, y), {dist.LOGITS_KEY: np.roll(logits, 1, axis=0)}))
+            callback = Distillation(temperature=3.0, alpha=0.7)
+        data = data.shuffle(512, seed=11, reshuffle_each_iteration=True).batch(64)
+        fit(student, data, [callback], epochs=2)
+        weights[source] = student.get_weights()
+    weights_close(weights["cache"], weights["live"], atol=1e-5)
+    assert max(np.abs(a - b).max() for a, b in zip(weights["misaligned"], weights["live"])) > 1e-3
+
+
+def test_saved_top_k_cache_round_trip(tmp_path):
+    x, y = make_data()
+    teacher = linear(7)
+    path = tmp_path / "logits"
+    returned = cache_teacher_logits(teacher, batched(x, y, 24), top_k=3, path=path)
+    loaded = load_teacher_logits(str(path))
+    assert loaded.cardinality().numpy() == len(x)
+    t = teacher_np_logits(x)
+    order = np.argsort(-t, axis=-1)[:, :3]
+    for ds in (returned, loaded):
+        elements = list(ds.as_numpy_iterator())
+        logits = [e[1] for e in elements]
+        np.testing.assert_array_equal(np.stack([e[0][0] for e in elements]), x)
+        np.testing.assert_array_equal(np.stack([e[0][1] for e in elements]), y)
+        np.testing.assert_array_equal(np.stack([e[dist.TOP_K_INDICES_KEY] for e in logits]), order)
+        np.testing.assert_allclose(np.stack([e[dist.TOP_K_VALUES_KEY] for e in logits]),
+                                   np.take_along_axis(t, order, -1), rtol=1e-5, atol=1e-5)
+    # Training from the loaded top-3 cache equals the live teacher with top_k=3.
+    results = []
+    for data, callback in ((loaded.batch(BATCH), Distillation(top_k=None)),
+                           (batched(x, y), Distillation(teacher, top_k=3))):
+        student = compile_student(linear(3))
+        fit(student, data, [callback])
+        results.append(student.get_weights())
+    weights_close(*results, atol=1e-6)
+
+
+def _reachable_tf_functions(fn):
+    """Every tf.function reachable from a Python callable through closures."""
+    found, seen, stack = [], set(), [fn]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, tf.types.experimental.PolymorphicFunction):
+            found.append(obj)
+            obj = getattr(obj, "_python_function", None)
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                stack.append(cell.cell_contents)
+            except ValueError:
+                pass
+        if getattr(obj, "__wrapped__", None) is not None:
+            stack.append(obj.__wrapped__)
+    return found
+
+
+def _captured_handles(model):
+    """ids of the resource handles captured by the compiled train step(s)."""
+    handles = set()
+    functions = _reachable_tf_functions(model.train_function)
+    assert functions, "the engine's train function holds no tf.function"
+    for function in functions:
+        for concrete in function._list_all_concrete_functions():
+            handles.update(id(t) for t in concrete.captured_inputs)
+    return handles
+
+
+def _variable_handles(model):
+    return {id(v.value.handle) for v in model.weights}
+
+
+def test_cached_train_step_captures_no_teacher_variable():
+    x, y = make_data()
+    student, teacher = compile_student(linear(3)), linear(7)
+    fit(student, batched(x, y), [Distillation(teacher)])
+    live = _captured_handles(student)
+    # Control: with the live teacher, the step does capture the teacher's variables.
+    assert _variable_handles(teacher) <= live
+    student = compile_student(linear(3))
+    fit(student, cached(teacher, x, y), [Distillation()])
+    captured = _captured_handles(student)
+    assert _variable_handles(student) <= captured
+    assert not _variable_handles(teacher) & captured
+
+
+# ================================================================ schedules, resume
+def temperature_schedule(epoch):
+    return 1.0 + epoch
+
+
+def alpha_schedule(epoch):
+    return 0.2 + 0.2 * epoch
+
+
+class InterruptAtEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("simulated interruption")
+
+
+def count_traces(callback):
+    """Counts how often the step is traced (transform_loss runs only while tracing)."""
+    calls = []
+    original = callback.transform_loss
+
+    def counting(loss, ctx):
+        calls.append(1)
+        return original(loss, ctx)
+
+    callback.transform_loss = counting
+    return calls
+
+
+@pytest.mark.parametrize("source", ["live", "cache"])
+def test_schedules_resume_through_backup_and_restore(tmp_path, source):
+    """Epoch schedules update variables (one trace for all epochs) and a resumed fit
+    continues with the restored epoch's values: equal to the numpy reference."""
+    x, y = make_data(n=2 * BATCH)
+    epochs = 4
+    w, b = linear(3).get_weights()
+    t = teacher_np_logits(x)
+    for epoch in range(epochs):
+        w, b, _ = np_train(w, b, x, y, t, temperature=temperature_schedule(epoch),
+                           alpha=alpha_schedule(epoch), steps=2)
+    teacher = linear(7)
+    data = batched(x, y) if source == "live" else cached(teacher, x, y)
+
+    def callback():
+        return Distillation(teacher if source == "live" else None,
+                            temperature=temperature_schedule, alpha=alpha_schedule)
+
+    # Uninterrupted, counting traces.
+    student = compile_student(linear(3))
+    first = callback()
+    traces = count_traces(first)
+    fit(student, data, [first], epochs=epochs)
+    assert len(traces) == 1
+    weights_close(student.get_weights(), [w, b])
+    # Interrupted at epoch 2, then resumed by a fresh BackupAndRestore.
+    student = compile_student(linear(3))
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="simulated interruption"):
+        fit(student, data, [keras.callbacks.BackupAndRestore(backup), callback(),
+                            InterruptAtEpoch(2)], epochs=epochs)
+    student = compile_student(linear(3))
+    resumed = callback()
+    fit(student, data, [keras.callbacks.BackupAndRestore(backup), resumed], epochs=epochs)
+    weights_close(student.get_weights(), [w, b])
+    assert float(resumed._variables[0].numpy()) == temperature_schedule(epochs - 1)
+
+
+# ================================================================ the teacher
+def test_teacher_is_frozen_in_inference_mode_and_student_stays_a_plain_model(tmp_path):
+    """A teacher with Dropout and BatchNormalization: unchanged by the student's fit, and
+    the live run equals the cache made with training=False (Dropout would differ)."""
+    x, y = make_data()
+    keras.utils.set_random_seed(2)
+    teacher = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(32),
+                                keras.layers.BatchNormalization(), keras.layers.Dropout(0.5),
+                                keras.layers.Dense(CLASSES)])
+    before = [v.numpy().copy() for v in teacher.weights]
+    results = []
+    for data, callback in ((batched(x, y), Distillation(teacher, alpha=0.9)),
+                           (cached(teacher, x, y), Distillation(alpha=0.9))):
+        student = compile_student(linear(3))
+        fit(student, data, [callback])
+        results.append(student.get_weights())
+    weights_close(*results, atol=1e-6)
+    for old, new in zip(before, teacher.weights):
+        np.testing.assert_array_equal(old, new.numpy())
+    # The student is the user's model: saved, reloaded, fitted without the callback.
+    student.save(tmp_path / "student.keras")
+    reloaded = keras.models.load_model(tmp_path / "student.keras")
+    np.testing.assert_allclose(reloaded.predict(x, verbose=0), student.predict(x, verbose=0),
+                               rtol=1e-6)
+    fit(student, batched(x, y), [])
+    assert not any(isinstance(v, Distillation) for v in vars(student).values())
+
+
+def test_float32_teacher_with_bfloat16_student():
+    x, y = make_data()
+    student = keras.Sequential([keras.Input((FEATURES,)),
+                                keras.layers.Dense(CLASSES, dtype="mixed_bfloat16")])
+    student.set_weights(linear(3).get_weights())
+    compile_student(student)
+    teacher = linear(7)
+    history = fit(student, batched(x, y), [Distillation(teacher, temperature=2.0, alpha=0.3)])
+    assert student(x[:2]).dtype == "bfloat16"
+    assert all(v.dtype == "float32" for v in teacher.weights)
+    ref_w, ref_b, ref_loss = reference(x, y)
+    # bf16 compute: close to the float32 reference at bf16 precision.
+    weights_close(student.get_weights(), [ref_w, ref_b], atol=5e-2)
+    np.testing.assert_allclose(history.history["loss"][0], ref_loss, rtol=2e-2)
+
+
+def test_teacher_created_outside_the_strategy_scope_is_refused(mirrored):
+    x, y = make_data()
+    with mirrored.strategy.scope():
+        student = compile_student(linear(3))
+    teacher = linear(7)  # outside the scope
+    with pytest.raises(ValueError, match="strategy.scope"):
+        fit(student, batched(x, y), [Distillation(teacher)])
+
+
+# ================================================================ bad input
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"temperature": 0.0}, ValueError, "temperature"),
+    ({"temperature": -1.0}, ValueError, "temperature"),
+    ({"temperature": float("nan")}, ValueError, "temperature"),
+    ({"temperature": "2"}, TypeError, "temperature"),
+    ({"alpha": -0.1}, ValueError, r"alpha.*\[0, 1\]"),
+    ({"alpha": 1.5}, ValueError, r"alpha.*\[0, 1\]"),
+    ({"alpha": True}, TypeError, "alpha"),
+    ({"top_k": 0}, ValueError, "top_k"),
+    ({"top_k": 2.5}, TypeError, "top_k"),
+    ({"top_k": CLASSES + 1}, ValueError, "larger than the number of classes"),
+])
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Distillation(linear(7), **kwargs)
+
+
+def test_bad_teachers():
+    with pytest.raises(TypeError, match="keras.Model"):
+        Distillation(lambda x: x)
+    unbuilt = keras.Sequential([keras.layers.Dense(CLASSES)])
+    with pytest.raises(ValueError, match="not built"):
+        Distillation(unbuilt)
+    with pytest.raises(ValueError, match="not built"):
+        cache_teacher_logits(unbuilt, batched(*make_data()))
+
+
+def fit_error(callback, data=None, student=None):
+    x, y = make_data()
+    student = student or compile_student(linear(3))
+    fit(student, batched(x, y) if data is None else data, [callback])
+
+
+def test_teacher_and_student_shapes_must_match():
+    other = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES + 1)])
+    with pytest.raises(ValueError, match="teacher outputs 6 logits .* student outputs 5"):
+        fit_error(Distillation(other))
+    x, y = make_data()
+    with pytest.raises(ValueError, match="cached teacher logits have shape"):
+        fit_error(Distillation(), data=cached(other, x, y))
+
+
+def test_softmax_outputs_are_refused():
+    probs = keras.Sequential([keras.Input((FEATURES,)),
+                              keras.layers.Dense(CLASSES, activation="softmax")])
+    with pytest.raises(ValueError, match="teacher's last layer applies softmax"):
+        fit_error(Distillation(probs))
+    with pytest.raises(ValueError, match="student's last layer applies softmax"):
+        fit_error(Distillation(linear(7)), student=compile_student(probs))
+
+
+def test_dataset_and_teacher_must_agree():
+    x, y = make_data()
+    with pytest.raises(ValueError, match="carry none"):
+        fit_error(Distillation())
+    with pytest.raises(ValueError, match="pass teacher=None"):
+        fit_error(Distillation(linear(7)), data=cached(linear(7), x, y))
+    with pytest.raises(ValueError, match="caches only the teacher's top 2"):
+        fit_error(Distillation(top_k=3), data=cached(linear(7), x, y, top_k=2))
+
+
+def test_bad_schedule_value_names_the_epoch():
+    with pytest.raises(ValueError, match=r"temperature.*epoch 0"):
+        fit_error(Distillation(linear(7), temperature=lambda epoch: 0.0))
+
+
+def test_bad_cache_arguments(tmp_path):
+    x, y = make_data()
+    teacher = linear(7)
+    with pytest.raises(TypeError, match="tf.data.Dataset of batches"):
+        cache_teacher_logits(teacher, (x, y))
+    with pytest.raises(ValueError, match="infinite"):
+        cache_teacher_logits(teacher, batched(x, y).repeat())
+    with pytest.raises(ValueError, match="larger than the number of classes"):
+        cache_teacher_logits(teacher, batched(x, y), top_k=CLASSES + 1)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    with pytest.raises(ValueError, match="not empty"):
+        cache_teacher_logits(teacher, batched(x, y), path=tmp_path / "taken")
+    with pytest.raises(ValueError, match="no teacher-logit cache"):
+        load_teacher_logits(tmp_path / "taken")
+    with pytest.raises(ValueError, match="carries no cached teacher logits|cached teacher logits"):
+        prepare_student(compile_student(linear(3)), batched(x, y))
+
+
+def test_get_config_round_trip():
+    callback = Distillation(temperature=3.0, alpha=0.25, top_k=2)
+    config = callback.get_config()
+    assert config == {"temperature": 3.0, "alpha": 0.25, "top_k": 2}
+    again = Distillation.from_config(config)
+    assert again.get_config() == config and again.teacher is None
