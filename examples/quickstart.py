@@ -19,6 +19,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--log-dir", default="logs", help="where the monitors write")
     parser.add_argument("--global-batch", type=int, default=128)
     parser.add_argument("--logical-cpus", type=int, default=None,
                         help="without TPU/GPU, mirror over N logical CPUs (replica stand-in)")
@@ -81,7 +82,12 @@ def main(argv=None) -> float:
     import tensorflow as tf
 
     train = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(2048, seed=0)
-    callbacks = []
+    train_ds = tpu.distribute(train, args.global_batch)
+    log_dir = os.path.join(args.log_dir, "quickstart")
+    # Memory of every replica device and samples/s, into logs, History and
+    # TensorBoard; `keras-tpu-mem report LOG_DIR` draws them.
+    callbacks = [ktm.HBMMonitor(log_dir),
+                 ktm.ThroughputMonitor(log_dir, dataset=train_ds)]
     if args.accumulation_steps > 1:
         # The dataset yields the global batch; each replica splits its share into
         # micro-batches and the optimizer steps once per global batch.
@@ -90,7 +96,7 @@ def main(argv=None) -> float:
         callbacks.append(ktm.Distillation(teacher, temperature=2.0, alpha=0.5))
     start = time.perf_counter()
     model.fit(
-        tpu.distribute(train, args.global_batch),
+        train_ds,
         validation_data=tpu.distribute((x_val, y_val), args.global_batch,
                                        drop_remainder=False),
         epochs=args.epochs,
@@ -100,6 +106,7 @@ def main(argv=None) -> float:
     seconds = time.perf_counter() - start
     _, accuracy = model.evaluate(x_val, y_val, verbose=0)
     print(f"final validation accuracy: {accuracy:.4f} ({seconds:.1f} s of training)")
+    print(f"memory and throughput charts: keras-tpu-mem report {log_dir}")
     return accuracy
 
 

@@ -26,19 +26,26 @@ from keras_tpu_mem.distillation import (
     prepare_student,
     strip_teacher_logits,
 )
+from keras_tpu_mem.monitoring import HBMMonitor, InputRate, ThroughputMonitor, measure_input_rate
+from keras_tpu_mem.report import write_report
 from keras_tpu_mem.strategy import TPUStrategyWrapper
 
 __all__ = [
     "Distillation",
     "GradientAccumulation",
+    "HBMMonitor",
     "HBM_TABLE",
+    "InputRate",
     "AcceleratorSpec",
     "MemoryReading",
     "TPUStrategyWrapper",
+    "ThroughputMonitor",
     "cache_teacher_logits",
     "distillation_kl",
     "load_teacher_logits",
     "lookup_tpu",
+    "measure_input_rate",
     "prepare_student",
     "strip_teacher_logits",
+    "write_report",
 ]
