@@ -26,6 +26,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps-per-execution", type=int, default=4)
     parser.add_argument("--accumulation-steps", type=int, default=4,
                         help="micro-batches per update (GradientAccumulation); 1 turns it off")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bfloat16 compute, float32 weights and output (ktm.MixedBFloat16)")
     parser.add_argument("--distill-from", default=None, metavar="TEACHER.keras",
                         help="distil from this saved teacher (logits output) with "
                              "ktm.Distillation; examples/distill_digits.py makes one")
@@ -92,6 +94,8 @@ def main(argv=None) -> float:
         # The dataset yields the global batch; each replica splits its share into
         # micro-batches and the optimizer steps once per global batch.
         callbacks.append(ktm.GradientAccumulation(steps=args.accumulation_steps))
+    if args.bf16:
+        callbacks.append(ktm.MixedBFloat16())
     if teacher is not None:
         callbacks.append(ktm.Distillation(teacher, temperature=2.0, alpha=0.5))
     start = time.perf_counter()

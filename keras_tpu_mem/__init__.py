@@ -27,6 +27,15 @@ from keras_tpu_mem.distillation import (
     strip_teacher_logits,
 )
 from keras_tpu_mem.monitoring import HBMMonitor, InputRate, ThroughputMonitor, measure_input_rate
+from keras_tpu_mem.precision import (
+    MixedBFloat16,
+    PrecisionReport,
+    PrecisionRow,
+    device_notice,
+    enable_mixed_bfloat16,
+    precision_report,
+    to_mixed_bfloat16,
+)
 from keras_tpu_mem.report import write_report
 from keras_tpu_mem.strategy import TPUStrategyWrapper
 
@@ -38,14 +47,21 @@ __all__ = [
     "InputRate",
     "AcceleratorSpec",
     "MemoryReading",
+    "MixedBFloat16",
+    "PrecisionReport",
+    "PrecisionRow",
     "TPUStrategyWrapper",
     "ThroughputMonitor",
     "cache_teacher_logits",
+    "device_notice",
     "distillation_kl",
+    "enable_mixed_bfloat16",
     "load_teacher_logits",
     "lookup_tpu",
     "measure_input_rate",
+    "precision_report",
     "prepare_student",
     "strip_teacher_logits",
+    "to_mixed_bfloat16",
     "write_report",
 ]
