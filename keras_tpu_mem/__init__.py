@@ -27,6 +27,7 @@ from keras_tpu_mem.distillation import (
     strip_teacher_logits,
 )
 from keras_tpu_mem.monitoring import HBMMonitor, InputRate, ThroughputMonitor, measure_input_rate
+from keras_tpu_mem.planning import CompiledMemory, MemoryPlan, compiled_memory, plan
 from keras_tpu_mem.precision import (
     MixedBFloat16,
     PrecisionReport,
@@ -36,6 +37,7 @@ from keras_tpu_mem.precision import (
     precision_report,
     to_mixed_bfloat16,
 )
+from keras_tpu_mem.profiling import ProfileSummary, ProfileWindow, SweepResult, batch_size_sweep
 from keras_tpu_mem.report import write_report
 from keras_tpu_mem.strategy import TPUStrategyWrapper
 
@@ -46,19 +48,27 @@ __all__ = [
     "HBM_TABLE",
     "InputRate",
     "AcceleratorSpec",
+    "CompiledMemory",
+    "MemoryPlan",
     "MemoryReading",
     "MixedBFloat16",
     "PrecisionReport",
+    "ProfileSummary",
+    "ProfileWindow",
     "PrecisionRow",
+    "SweepResult",
     "TPUStrategyWrapper",
     "ThroughputMonitor",
+    "batch_size_sweep",
     "cache_teacher_logits",
+    "compiled_memory",
     "device_notice",
     "distillation_kl",
     "enable_mixed_bfloat16",
     "load_teacher_logits",
     "lookup_tpu",
     "measure_input_rate",
+    "plan",
     "precision_report",
     "prepare_student",
     "strip_teacher_logits",
