@@ -249,6 +249,11 @@ class Engine:
             if feature in self.features:
                 self.features.remove(feature)
 
+    def discard_pending(self, feature: Feature) -> None:
+        """Forgets a registration that no `fit` took up (evaluate/predict callbacks)."""
+        if self._pending.get(feature.name) is feature:
+            del self._pending[feature.name]
+
     def release(self, feature: Feature) -> None:
         """Called by a feature at the end of `fit`: undo its `install`."""
         if feature in self.features:
@@ -495,8 +500,8 @@ class EngineCallback(keras.callbacks.Callback, Feature):
     """A Keras callback that is also an engine feature.
 
     Subclasses fill the `Feature` registration points they need. If they
-    override `set_model`, `on_train_batch_begin` or `on_train_end`, they must
-    call `super()`.
+    override `set_model`, `on_train_batch_begin`, `on_train_end`,
+    `on_test_begin` or `on_predict_begin`, they must call `super()`.
     """
 
     def set_model(self, model):
@@ -508,6 +513,14 @@ class EngineCallback(keras.callbacks.Callback, Feature):
 
     def on_train_end(self, logs=None):
         Engine.attach(self.model).release(self)
+
+    # `evaluate(callbacks=[...])` and `predict(callbacks=[...])` call set_model
+    # too: a feature registered there must not join the model's next `fit`.
+    def on_test_begin(self, logs=None):
+        Engine.attach(self.model).discard_pending(self)
+
+    def on_predict_begin(self, logs=None):
+        Engine.attach(self.model).discard_pending(self)
 
 
 __all__ = [

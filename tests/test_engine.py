@@ -130,6 +130,17 @@ def test_interrupted_fit_leaves_no_stale_feature():
     assert Engine.attach(model).num_builds == 2
 
 
+def test_callback_given_to_evaluate_does_not_join_the_next_fit():
+    x, y = toy_data(128)
+    model = mlp()
+    model.compile(optimizer="sgd", loss=sparse_ce())
+    model.evaluate(batched(x, y, 32), verbose=0, callbacks=[HalfLoss()])
+    model.predict(x[:32], verbose=0, callbacks=[HalfLoss()])
+    model.fit(batched(x, y, 32), verbose=0)
+    assert "make_train_function" not in model.__dict__  # Keras' own step
+    assert Engine.attach(model).features == []
+
+
 def test_functional_and_subclassed_models():
     x, y = toy_data(128)
     inputs = keras.Input((16,))
