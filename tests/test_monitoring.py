@@ -8,7 +8,6 @@ the models here have layers of >= 1024 units at batch >= 128.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import subprocess
@@ -30,19 +29,9 @@ BATCH = 128
 
 # ------------------------------------------------------------------ helpers
 @pytest.fixture
-def log_records():
+def log_records(ktm_records):
     """Records of the package logger (it does not propagate, so caplog misses them)."""
-    records = []
-
-    class _Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler = _Collect(level=logging.DEBUG)
-    logger = logging.getLogger("keras_tpu_mem")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
+    return ktm_records
 
 
 def _messages(records, needle):

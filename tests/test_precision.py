@@ -8,6 +8,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import RaiseAtEpoch
 
 from keras_tpu_mem import precision
 from keras_tpu_mem.accumulation import GradientAccumulation
@@ -44,14 +45,6 @@ class PolicyProbe(keras.callbacks.Callback):
         self.optimizer_variables = {v.dtype for v in self.model.optimizer.variables}
 
 
-class RaiseAtEpoch(keras.callbacks.Callback):
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == self.epoch:
-            raise RuntimeError(f"interrupted at epoch {epoch}")
 
 
 def digits_mlp(probes=False, seed=0):
