@@ -28,6 +28,9 @@ def parse_args(argv=None):
                         help="micro-batches per update (GradientAccumulation); 1 turns it off")
     parser.add_argument("--bf16", action="store_true",
                         help="bfloat16 compute, float32 weights and output (ktm.MixedBFloat16)")
+    parser.add_argument("--prune", type=float, default=0.0, metavar="SPARSITY",
+                        help="prune kernels to this final sparsity, e.g. 0.8 (ktm.Pruning); "
+                             "0 turns it off")
     parser.add_argument("--distill-from", default=None, metavar="TEACHER.keras",
                         help="distil from this saved teacher (logits output) with "
                              "ktm.Distillation; examples/distill_digits.py makes one")
@@ -96,6 +99,12 @@ def main(argv=None) -> float:
         callbacks.append(ktm.GradientAccumulation(steps=args.accumulation_steps))
     if args.bf16:
         callbacks.append(ktm.MixedBFloat16())
+    if args.prune:
+        # Reach the final sparsity two thirds into training, then fine-tune.
+        updates = args.epochs * (len(x_train) // args.global_batch)
+        end_step = max(10, updates * 2 // 3 // 10 * 10)
+        callbacks.append(ktm.Pruning(ktm.PolynomialDecay(0.0, args.prune, begin_step=0,
+                                                         end_step=end_step, frequency=10)))
     if teacher is not None:
         callbacks.append(ktm.Distillation(teacher, temperature=2.0, alpha=0.5))
     start = time.perf_counter()
@@ -111,6 +120,8 @@ def main(argv=None) -> float:
     _, accuracy = model.evaluate(x_val, y_val, verbose=0)
     print(f"final validation accuracy: {accuracy:.4f} ({seconds:.1f} s of training)")
     print(f"memory and throughput charts: keras-tpu-mem report {log_dir}")
+    if args.prune:
+        print(ktm.sparsity_report(model))
     return accuracy
 
 

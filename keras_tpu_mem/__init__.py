@@ -38,6 +38,15 @@ from keras_tpu_mem.precision import (
     to_mixed_bfloat16,
 )
 from keras_tpu_mem.profiling import ProfileSummary, ProfileWindow, SweepResult, batch_size_sweep
+from keras_tpu_mem.pruning import (
+    ConstantSparsity,
+    PolynomialDecay,
+    Pruning,
+    PruningSchedule,
+    SparsityReport,
+    sparsity_report,
+    strip_pruning,
+)
 from keras_tpu_mem.report import write_report
 from keras_tpu_mem.strategy import TPUStrategyWrapper
 
@@ -49,12 +58,17 @@ __all__ = [
     "InputRate",
     "AcceleratorSpec",
     "CompiledMemory",
+    "ConstantSparsity",
     "MemoryPlan",
     "MemoryReading",
     "MixedBFloat16",
+    "PolynomialDecay",
     "PrecisionReport",
     "ProfileSummary",
     "ProfileWindow",
+    "Pruning",
+    "PruningSchedule",
+    "SparsityReport",
     "PrecisionRow",
     "SweepResult",
     "TPUStrategyWrapper",
@@ -71,6 +85,8 @@ __all__ = [
     "plan",
     "precision_report",
     "prepare_student",
+    "sparsity_report",
+    "strip_pruning",
     "strip_teacher_logits",
     "to_mixed_bfloat16",
     "write_report",

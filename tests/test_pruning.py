@@ -1,0 +1,848 @@
+"""Pruning: schedules against tfmot, masks against numpy and tfmot, fits across the matrix.
+
+tfmot is only ever imported in a subprocess (`tfmot_reference`): importing it
+sets TF_USE_LEGACY_KERAS=1 and turns `tf.keras` into tf_keras for the whole
+process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import RaiseAtEpoch, max_abs_diff, sparse_ce, toy_data
+
+from keras_tpu_mem import GradientAccumulation
+from keras_tpu_mem.pruning import (
+    ConstantSparsity,
+    PolynomialDecay,
+    Pruning,
+    block_mask,
+    find_prunable_weights,
+    kth_largest,
+    m_by_n_mask,
+    magnitude_mask,
+    sparsity_report,
+    strip_pruning,
+)
+
+# ------------------------------------------------------------------ helpers
+
+def _strategy(case: str):
+    """The strategy of a matrix cell (the session's one MirroredStrategy, see conftest)."""
+    if case != "mirrored":
+        return tf.distribute.get_strategy()
+    from conftest import MIRRORED
+
+    return MIRRORED
+
+
+def _digits_mlp(strategy, jit=False, spe=1, hidden=128):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((64,)),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(10),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=sparse_ce(),
+                      jit_compile=jit, steps_per_execution=spe)
+    return model
+
+
+def _small_mlp(strategy=None, spe=1, jit=False, seed=1):
+    strategy = strategy or tf.distribute.get_strategy()
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(5),
+        ])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=sparse_ce(),
+                      jit_compile=jit, steps_per_execution=spe)
+    return model
+
+
+def _kernels(model):
+    return [layer.kernel for layer in model.layers if hasattr(layer, "kernel")]
+
+
+def _replicas(variable):
+    """The value of every replica's copy of a (possibly mirrored) Keras variable."""
+    value = variable.value
+    components = getattr(value, "values", None)
+    if components is None:
+        return [np.asarray(value)]
+    return [np.asarray(c) for c in components]
+
+
+def _expected_zeros(size, sparsity):
+    """Entries tfmot's rule zeroes: size - max(round(size * (1 - s)), 1)."""
+    return size - max(int(np.round(size * (1.0 - sparsity))), 1)
+
+
+def _poly(step, initial, final, begin, end, power=3):
+    """PolynomialDecay's sparsity in float64 (the independent reference)."""
+    p = min(1.0, max(0.0, (step - begin) / (end - begin)))
+    return final + (initial - final) * (1.0 - p) ** power
+
+
+class ZerosAfterBatch(keras.callbacks.Callback):
+    """Fraction of exact zeros in the first kernel after every batch."""
+
+    def __init__(self, variable):
+        super().__init__()
+        self.variable = variable
+        self.fractions = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.fractions.append(float(np.mean(_replicas(self.variable)[0] == 0)))
+
+
+# ------------------------------------------------------- tfmot (subprocess)
+
+_TFMOT_SCRIPT = textwrap.dedent('''
+    import json, os
+    import numpy as np
+    import tensorflow as tf
+    import keras
+    from keras_tpu_mem import pruning as ours
+    import tensorflow_model_optimization as tfmot  # sets TF_USE_LEGACY_KERAS=1
+    from tensorflow_model_optimization.python.core.sparsity.keras import pruning_impl
+
+    S = tfmot.sparsity.keras
+    out = {"schedules": [], "masks": []}
+    CASES = [
+        ("ConstantSparsity", dict(target_sparsity=0.5, begin_step=0)),
+        ("ConstantSparsity", dict(target_sparsity=0.9, begin_step=37, end_step=1500,
+                                  frequency=7)),
+        ("PolynomialDecay", dict(initial_sparsity=0.0, final_sparsity=0.8, begin_step=0,
+                                 end_step=1000)),
+        ("PolynomialDecay", dict(initial_sparsity=0.2, final_sparsity=0.95, begin_step=150,
+                                 end_step=1750, power=2, frequency=13)),
+        ("PolynomialDecay", dict(initial_sparsity=0.5, final_sparsity=0.1, begin_step=3,
+                                 end_step=997, power=1.5, frequency=1)),
+    ]
+    steps = tf.range(0, 2001, dtype=tf.int64)
+
+    @tf.function
+    def evaluate(schedule):
+        # One scalar call per step (tf.map_fn), as during training.
+        return tf.map_fn(schedule, steps, fn_output_signature=(tf.bool, tf.float32))
+
+    for name, kwargs in CASES:
+        ref, mine = getattr(S, name)(**kwargs), getattr(ours, name)(**kwargs)
+        (rs, rv), (ms, mv) = evaluate(ref), evaluate(mine)
+        rs, rv, ms, mv = rs.numpy(), rv.numpy(), ms.numpy(), mv.numpy()
+        bad = np.flatnonzero((rs != ms) | (rv.view(np.int32) != mv.view(np.int32)))
+        mismatches = [[int(i), bool(rs[i]), bool(ms[i]), float(rv[i]), float(mv[i])]
+                      for i in bad[:5]]
+        # And eagerly, one step at a time, at a sample of steps.
+        for step in range(0, 2001, 97):
+            t = tf.constant(step, tf.int64)
+            (es, ev), (fs, fv) = ref(t), mine(t)
+            if bool(es) != bool(fs) or np.float32(ev) != np.float32(fv):
+                mismatches.append([step, bool(es), bool(fs), float(ev), float(fv)])
+        out["schedules"].append({"name": name, "mismatches": mismatches,
+                                 "pruning_steps": int(rs.sum()),
+                                 "distinct_sparsities": len(set(rv[rs].tolist()))})
+
+    rng = np.random.default_rng(0)
+    for shape, block, pooling, m_by_n, sparsity in [
+        ((64, 32), (1, 1), "AVG", None, 0.7),
+        ((64, 32), (2, 2), "AVG", None, 0.6),
+        ((64, 32), (4, 1), "MAX", None, 0.5),
+        ((48, 40), (1, 8), "AVG", None, 0.75),
+        ((64, 32), (1, 1), "AVG", (2, 4), 0.5),
+        ((3, 3, 16, 8), (1, 1), "AVG", (2, 4), 0.5),
+        ((64, 10), (1, 1), "AVG", (1, 4), 0.25),
+    ]:
+        w = tf.constant(rng.standard_normal(shape).astype("float32"))
+        impl = pruning_impl.Pruning(lambda: tf.constant(1, tf.int64), [],
+                                    S.ConstantSparsity(sparsity, 0), block, pooling,
+                                    sparsity_m_by_n=m_by_n)
+        ref_mask = impl._maybe_update_block_mask(w)[1].numpy() > 0
+        if m_by_n:
+            mask = ours.m_by_n_mask(w, m_by_n, len(shape) - 2)
+        elif block != (1, 1):
+            mask = ours.block_mask(w, tf.constant(sparsity), block, pooling)[0]
+        else:
+            mask = ours.magnitude_mask(tf.abs(w), tf.constant(sparsity))[0]
+        mask = mask.numpy()
+        out["masks"].append({"case": [shape, block, pooling, m_by_n],
+                             "differ": int(np.sum(mask != ref_mask)),
+                             "kept": int(mask.sum())})
+
+    # A tfmot schedule object passed as is to ktm.Pruning (duck-typed), and its
+    # config mapped onto ours.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+    model.compile("adam", "mse")
+    schedule = S.PolynomialDecay(0.0, 0.6, begin_step=0, end_step=8, frequency=4)
+    x = np.random.default_rng(1).normal(size=(64, 8)).astype("float32")
+    model.fit(x, x[:, :2], batch_size=8, epochs=1, verbose=0,
+              callbacks=[ours.Pruning(schedule)])
+    out["fit_zeros"] = [int(np.sum(layer.kernel.numpy() == 0)) for layer in model.layers]
+    out["config"] = ours.Pruning(schedule).get_config()["schedule"]
+    print("RESULT " + json.dumps(out))
+''')
+
+
+@pytest.fixture(scope="module")
+def tfmot_reference():
+    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    proc = subprocess.run([sys.executable, "-c", _TFMOT_SCRIPT], capture_output=True,
+                          text=True, env=env, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_schedules_match_tfmot_at_every_step(tfmot_reference):
+    schedules = tfmot_reference["schedules"]
+    assert len(schedules) == 5
+    for entry in schedules:
+        assert entry["mismatches"] == [], entry
+        assert entry["pruning_steps"] > 0  # the comparison covered pruning steps
+
+
+def test_masks_match_tfmot(tfmot_reference):
+    for entry in tfmot_reference["masks"]:
+        assert entry["differ"] == 0, entry
+        assert 0 < entry["kept"]
+
+
+def test_tfmot_schedule_object_is_accepted(tfmot_reference):
+    # PolynomialDecay(0, 0.6, 0, 8, frequency=4): steps 4 and 8 prune, 8 at 0.6.
+    assert tfmot_reference["fit_zeros"] == [_expected_zeros(8 * 16, 0.6),
+                                            _expected_zeros(16 * 2, 0.6)]
+    config = tfmot_reference["config"]
+    assert config["class_name"] == "PolynomialDecay"
+    assert config["config"]["final_sparsity"] == 0.6
+
+
+# ----------------------------------------------------------- schedules
+
+
+def test_schedule_values_by_hand():
+    poly = PolynomialDecay(0.1, 0.9, begin_step=100, end_step=500, power=2, frequency=50)
+    for step in (0, 99, 100, 150, 300, 499, 500, 900):
+        should, sparsity = poly(tf.constant(step, tf.int64))
+        assert bool(should) == (100 <= step <= 500 and (step - 100) % 50 == 0)
+        assert float(sparsity) == pytest.approx(_poly(step, 0.1, 0.9, 100, 500, 2), abs=1e-6)
+    const = ConstantSparsity(0.3, begin_step=10, end_step=-1, frequency=5)
+    assert [bool(const(s)[0]) for s in (9, 10, 12, 15, 10**6)] == [False, True, False, True,
+                                                                    True]
+    assert float(const(3)[1]) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: ConstantSparsity(1.0, 0), "target_sparsity"),
+    (lambda: ConstantSparsity(-0.1, 0), "target_sparsity"),
+    (lambda: ConstantSparsity(0.5, -1), "begin_step"),
+    (lambda: ConstantSparsity(0.5, 10, end_step=5), "end_step"),
+    (lambda: ConstantSparsity(0.5, 0, end_step=-2), "end_step"),
+    (lambda: ConstantSparsity(0.5, 0, frequency=0), "frequency"),
+    (lambda: ConstantSparsity(0.5, 0, frequency=2.5), "frequency"),
+    (lambda: ConstantSparsity("0.5", 0), "target_sparsity"),
+    (lambda: PolynomialDecay(0.0, 1.0, 0, 100), "final_sparsity"),
+    (lambda: PolynomialDecay(1.5, 0.5, 0, 100), "initial_sparsity"),
+    (lambda: PolynomialDecay(0.0, 0.5, 100, 50), "end_step"),
+    (lambda: PolynomialDecay(0.0, 0.5, 100, 100), "end_step"),
+    (lambda: PolynomialDecay(0.0, 0.5, 0, -1), "end_step"),
+    (lambda: PolynomialDecay(0.0, 0.5, 0, 100, power=0), "power"),
+    (lambda: PolynomialDecay(0.0, 0.5, 0, 100, frequency=-3), "frequency"),
+])
+def test_schedule_bad_arguments(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()
+
+
+def test_schedule_serialises():
+    poly = PolynomialDecay(0.0, 0.8, begin_step=0, end_step=1000, power=2, frequency=10)
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(poly))
+    assert restored == poly and restored is not poly
+
+
+# --------------------------------------------------------------- masks
+
+
+def test_kth_largest_exact():
+    rng = np.random.default_rng(0)
+    values = np.abs(rng.standard_normal(1001)).astype("float32")
+    values[:50] = 0.0  # pruned entries
+    values[50:60] = 1e-40  # denormals
+    values[60] = 3e38
+    values[61:70] = values[100]  # ties
+    ordered = np.sort(values)[::-1]
+    fn = tf.function(kth_largest, jit_compile=True)
+    for k in (1, 2, 9, 10, 500, 940, 941, 950, 951, 1001):
+        assert float(fn(tf.constant(values), tf.constant(k))) == ordered[k - 1], k
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.5, 0.8, 0.99])
+def test_magnitude_mask_matches_numpy(sparsity):
+    weights = np.random.default_rng(1).standard_normal((37, 29)).astype("float32")
+    magnitudes = np.abs(weights)
+    k = max(int(np.round(magnitudes.size * (1 - np.float32(sparsity)))), 1)
+    threshold = np.sort(magnitudes, axis=None)[::-1][k - 1]
+    mask, got = magnitude_mask(tf.constant(magnitudes), tf.constant(sparsity, tf.float32))
+    assert float(got) == threshold
+    np.testing.assert_array_equal(mask.numpy(), magnitudes >= threshold)
+    assert int(mask.numpy().sum()) == k
+
+
+@pytest.mark.parametrize("shape, block, pooling", [
+    ((8, 6), (2, 3), "AVG"), ((9, 7), (2, 2), "AVG"), ((9, 7), (4, 3), "MAX"),
+    ((5, 16), (1, 4), "MAX"),
+])
+def test_block_mask_matches_numpy(shape, block, pooling):
+    weights = np.random.default_rng(2).standard_normal(shape).astype("float32")
+    bh, bw = block
+    nh, nw = -(-shape[0] // bh), -(-shape[1] // bw)
+    pooled = np.zeros((nh, nw), np.float64)
+    for i in range(nh):
+        for j in range(nw):
+            part = np.abs(weights[i * bh:(i + 1) * bh, j * bw:(j + 1) * bw])
+            pooled[i, j] = part.max() if pooling == "MAX" else part.mean()
+    k = max(int(np.round(pooled.size * 0.5)), 1)
+    keep_blocks = pooled >= np.sort(pooled, axis=None)[::-1][k - 1]
+    expected = np.kron(keep_blocks, np.ones(block, bool))[:shape[0], :shape[1]]
+    mask, _ = block_mask(tf.constant(weights), tf.constant(0.5), block, pooling)
+    np.testing.assert_array_equal(mask.numpy(), expected)
+
+
+@pytest.mark.parametrize("shape, axis", [((16, 6), 0), ((3, 3, 8, 5), 2), ((3, 8, 12), 1),
+                                         ((10, 3), 0)])
+def test_m_by_n_mask_groups(shape, axis):
+    weights = np.random.default_rng(3).standard_normal(shape).astype("float32")
+    mask = m_by_n_mask(tf.constant(weights), (2, 4), axis).numpy()
+    moved_w = np.moveaxis(np.abs(weights), axis, -1)
+    moved_m = np.moveaxis(mask, axis, -1)
+    length = shape[axis]
+    for start in range(0, length, 4):
+        group_w = moved_w[..., start:start + 4]
+        group_m = moved_m[..., start:start + 4]
+        keep = min(2, group_w.shape[-1])
+        assert np.all(group_m.sum(-1) == keep)
+        # The kept ones are the largest of their group.
+        ranks = np.argsort(np.argsort(-group_w, axis=-1, kind="stable"), axis=-1)
+        np.testing.assert_array_equal(group_m, ranks < keep)
+
+
+# ------------------------------------------------------------- the floor
+
+
+FLOOR_EPOCHS, FLOOR_BATCH, FLOOR_END, FLOOR_FREQ = 6, 32, 180, 10
+
+
+def _numpy_accuracy(model, x, y):
+    """Validation accuracy from the weights, in float64 numpy (no compiled predict)."""
+    h = x.astype("float64")
+    dense = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)]
+    for i, layer in enumerate(dense):
+        kernel, bias = (np.asarray(_replicas(v)[0], "float64") for v in layer.weights)
+        h = h @ kernel + bias
+        if i < len(dense) - 1:
+            h = np.maximum(h, 0.0)
+    return float(np.mean(np.argmax(h, axis=1) == y))
+
+
+def _floor_data(digits):
+    (x, y), (xv, yv) = digits
+    # 43 whole batches: one XLA shape, and with steps_per_execution=4 every epoch
+    # ends on a 3-step remainder execution (4 * 10 + 3).
+    n = 43 * FLOOR_BATCH
+    return (x[:n], y[:n]), (xv, yv)
+
+
+@pytest.fixture(scope="module")
+def dense_digits_accuracy(digits):
+    """The dense model, plain Keras fit, trained the same number of epochs."""
+    (x, y), (xv, yv) = _floor_data(digits)
+    model = _digits_mlp(tf.distribute.get_strategy())
+    model.fit(x, y, batch_size=FLOOR_BATCH, epochs=FLOOR_EPOCHS, verbose=0, shuffle=False)
+    return _numpy_accuracy(model, xv, yv)
+
+
+def test_floor_polynomial_decay_on_digits(strategy_case, digits, dense_digits_accuracy):
+    """80% sparsity, exact zeros at every epoch end with spe=4, accuracy within 2 points."""
+    assert len(digits[0][0]) >= 43 * FLOOR_BATCH
+    (x, y), (xv, yv) = _floor_data(digits)
+    steps_per_epoch = len(x) // FLOOR_BATCH
+    model = _digits_mlp(_strategy(strategy_case.name), strategy_case.jit_compile, spe=4)
+    kernels = _kernels(model)
+    seen = []
+
+    class AtEpochEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            copies = [_replicas(k) for k in kernels]
+            for c in copies:  # every replica holds the same (pruned) weights
+                for other in c[1:]:
+                    np.testing.assert_array_equal(c[0], other)
+            seen.append([int(np.sum(c[0] == 0)) for c in copies])
+
+    schedule = PolynomialDecay(0.0, 0.8, begin_step=0, end_step=FLOOR_END,
+                               frequency=FLOOR_FREQ)
+    model.fit(x, y, batch_size=FLOOR_BATCH, epochs=FLOOR_EPOCHS, verbose=0, shuffle=False,
+              callbacks=[Pruning(schedule), AtEpochEnd()])
+
+    assert len(seen) == FLOOR_EPOCHS
+    for epoch, zeros in enumerate(seen):
+        updates = (epoch + 1) * steps_per_epoch
+        last = min(updates // FLOOR_FREQ * FLOOR_FREQ, FLOOR_END)
+        sparsity = _poly(last, 0.0, 0.8, 0, FLOOR_END)
+        for kernel, count in zip(kernels, zeros):
+            size = int(np.prod(kernel.shape))
+            assert abs(count - _expected_zeros(size, sparsity)) <= 1, (epoch, kernel.path)
+    for kernel in kernels:
+        assert np.mean(_replicas(kernel)[0] == 0) == pytest.approx(0.80, abs=0.01)
+    assert int(model.optimizer.iterations.numpy()) == FLOOR_EPOCHS * steps_per_epoch
+    accuracy = _numpy_accuracy(model, xv, yv)
+    assert dense_digits_accuracy > 0.95
+    assert accuracy >= dense_digits_accuracy - 0.02, (accuracy, dense_digits_accuracy)
+
+
+@pytest.mark.parametrize("case, accumulate", [("default", False), ("jit", False),
+                                             ("mirrored", False), ("default", True)])
+def test_prunes_exactly_at_the_scheduled_update(case, accumulate):
+    """Steps count optimizer updates (1 after the first), with or without accumulation."""
+    x, y = toy_data(32 * 6, inputs=16)
+    model = _small_mlp(_strategy(case), jit=case == "jit")
+    recorder = ZerosAfterBatch(model.layers[0].kernel)
+    callbacks = [Pruning(ConstantSparsity(0.5, begin_step=3, end_step=3, frequency=1)),
+                 recorder]
+    if accumulate:
+        callbacks.append(GradientAccumulation(steps=2))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+    assert recorder.fractions == [0.0, 0.0, 0.5, 0.5, 0.5, 0.5]
+
+
+# --------------------------------------------------------------- resume
+
+
+def _resume_fit(strategy, backup_dir, interrupt=None, seed=0):
+    x, y = toy_data(128, inputs=16)
+    model = _small_mlp(strategy, spe=2, seed=seed)
+    callbacks = [Pruning(PolynomialDecay(0.0, 0.7, begin_step=0, end_step=12, frequency=2)),
+                 keras.callbacks.BackupAndRestore(str(backup_dir))]
+    if interrupt is not None:
+        callbacks.append(RaiseAtEpoch(interrupt))
+    model.fit(x, y, batch_size=32, epochs=4, verbose=0, shuffle=False, callbacks=callbacks)
+    return model
+
+
+@pytest.mark.parametrize("case", ["default", "mirrored"])
+def test_resume_after_interruption_equals_uninterrupted(case, tmp_path):
+    strategy = _strategy(case)
+    reference = _resume_fit(strategy, tmp_path / "a")
+    with pytest.raises(RuntimeError, match="interrupted at epoch 2"):
+        _resume_fit(strategy, tmp_path / "b", interrupt=2)
+    # A fresh process: a new model (other initial weights), new callbacks.
+    resumed = _resume_fit(strategy, tmp_path / "b", seed=7)
+    assert int(resumed.optimizer.iterations.numpy()) == 16
+    for got, want in zip(resumed.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(got == 0, want == 0)
+    assert max_abs_diff(resumed.get_weights(), reference.get_weights()) <= 1e-6
+    for kernel in _kernels(resumed):
+        assert np.mean(np.asarray(kernel.value) == 0) == pytest.approx(0.7, abs=0.01)
+
+
+def test_second_fit_keeps_masks_and_frees_zeros_before_pruning_starts():
+    """Masks are derived from the weights only once the schedule has pruned."""
+    x, y = toy_data(128, inputs=16)
+    model = _small_mlp()
+    late = Pruning(ConstantSparsity(0.5, begin_step=1000))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[late])
+    # Exact zeros that are no pruning's doing (e.g. a zero-initialised kernel):
+    kernel = model.layers[0].kernel
+    kernel.assign(np.zeros(kernel.shape, "float32"))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[late])
+    assert np.count_nonzero(np.asarray(kernel.value)) > 0.9 * np.prod(kernel.shape)
+
+    # After pruning began, a later fit (same or new callback) keeps the masks, even
+    # when its schedule no longer recomputes them.
+    assert int(model.optimizer.iterations.numpy()) == 8
+    once = ConstantSparsity(0.5, begin_step=10, end_step=10, frequency=1)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[Pruning(once)])
+    zeros = np.asarray(kernel.value) == 0
+    assert zeros.sum() == _expected_zeros(zeros.size, 0.5)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[Pruning(once)])
+    np.testing.assert_array_equal(np.asarray(kernel.value) == 0, zeros)
+
+
+# ------------------------------------------------------------ composition
+
+
+@pytest.mark.parametrize("case", ["default", "mirrored"])
+def test_composition_with_gradient_accumulation(case):
+    """GradientAccumulation + Pruning equals Pruning on the full batch, in either order."""
+    x, y = toy_data(32 * 8, inputs=16)
+    strategy = _strategy(case)
+
+    def run(callbacks):
+        model = _small_mlp(strategy, spe=2)
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False,
+                  callbacks=callbacks)
+        return model
+
+    def schedule():
+        return PolynomialDecay(0.0, 0.6, begin_step=0, end_step=12, frequency=3)
+
+    accumulated = run([GradientAccumulation(steps=2), Pruning(schedule())])
+    full_batch = run([Pruning(schedule())])
+    for a, b in zip(accumulated.get_weights(), full_batch.get_weights()):
+        np.testing.assert_array_equal(a == 0, b == 0)
+    assert max_abs_diff(accumulated.get_weights(), full_batch.get_weights()) <= 1e-5
+    kernel = np.asarray(accumulated.layers[0].kernel.value)
+    assert np.mean(kernel == 0) == pytest.approx(0.6, abs=0.01)
+    if case == "default":
+        swapped = run([Pruning(schedule()), GradientAccumulation(steps=2)])
+        assert max_abs_diff(accumulated.get_weights(), swapped.get_weights()) == 0.0
+
+
+# ---------------------------------------------------------- structures
+
+
+def test_m_by_n_fit_every_group_of_four_has_two_zeros():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 6, 8))
+    h = keras.layers.Conv2D(8, 3, activation="relu")(inputs)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(12, activation="relu")(h)
+    outputs = keras.layers.Dense(4)(h)
+    model = keras.Model(inputs, outputs)
+    model.compile("adam", sparse_ce(), steps_per_execution=3)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(96, 6, 6, 8)).astype("float32")
+    y = rng.integers(0, 4, 96)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+        Pruning(ConstantSparsity(0.5, begin_step=2, frequency=4), m_by_n=(2, 4))])
+    for layer in model.layers:
+        if not hasattr(layer, "kernel"):
+            continue
+        kernel = np.asarray(layer.kernel.value)
+        groups = np.moveaxis(kernel, -2, -1)  # input axis last: [..., out, in]
+        groups = groups.reshape(*groups.shape[:-1], -1, 4)
+        assert np.all(np.sum(groups == 0, axis=-1) >= 2), layer.name
+        assert np.mean(kernel == 0) == pytest.approx(0.5, abs=0.01)
+
+
+def test_block_sparsity_fit_prunes_aligned_blocks():
+    x, y = toy_data(128, inputs=16)
+    model = _small_mlp()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[
+        Pruning(ConstantSparsity(0.5, begin_step=1, frequency=2), block_size=(2, 4),
+                block_pooling_type="MAX")])
+    for kernel in _kernels(model):
+        value = np.asarray(kernel.value)
+        rows, cols = value.shape
+        blocks = (value[: rows // 2 * 2, : cols // 4 * 4]
+                  .reshape(rows // 2, 2, cols // 4, 4).transpose(0, 2, 1, 3)
+                  .reshape(rows // 2, cols // 4, 8))
+        zero_blocks = np.all(blocks == 0, axis=-1)
+        # Every block is all-zero or all-non-zero, and half of the blocks are zero.
+        assert np.all(zero_blocks | np.all(blocks != 0, axis=-1))
+        n_blocks = -(-rows // 2) * -(-cols // 4)
+        assert int(np.all(np.pad(value, [[0, -rows % 2], [0, -cols % 4]], constant_values=0)
+                          .reshape(-(-rows // 2), 2, -(-cols // 4), 4) == 0,
+                          axis=(1, 3)).sum()) == _expected_zeros(n_blocks, 0.5)
+
+
+class _Prunable(keras.layers.Layer):
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], 4), name="w")
+        self.b = self.add_weight(shape=(4,), initializer="zeros", name="b")
+
+    def call(self, x):
+        return x @ self.w + self.b
+
+    def get_prunable_weights(self):
+        return [self.w]
+
+
+def _zoo():
+    keras.utils.set_random_seed(0)
+    image = keras.Input((8, 8, 3), name="image")
+    h = keras.layers.Conv2D(4, 3, name="conv")(image)
+    h = keras.layers.DepthwiseConv2D(3, name="depthwise")(h)
+    h = keras.layers.SeparableConv2D(4, 1, name="separable")(h)
+    h = keras.layers.Conv2DTranspose(4, 3, name="transpose")(h)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    tokens = keras.Input((6,), dtype="int32", name="tokens")
+    t = keras.layers.Embedding(20, 8, name="embedding")(tokens)
+    t = keras.layers.Conv1D(8, 3, padding="same", name="conv1d")(t)
+    t = keras.layers.MultiHeadAttention(2, 4, name="mha")(t, t)
+    t = keras.layers.LayerNormalization(name="ln")(t)
+    t = keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 8), bias_axes="d",
+                                 name="einsum")(t)
+    t = keras.layers.GlobalAveragePooling1D()(t)
+    volume = keras.Input((4, 4, 4, 2), name="volume")
+    v = keras.layers.GlobalAveragePooling3D()(keras.layers.Conv3D(4, 2, name="conv3d")(volume))
+    h = keras.layers.Concatenate()([h, t, v])
+    h = _Prunable(name="custom")(h)
+    out = keras.layers.Dense(3, name="head")(h)
+    return keras.Model([image, tokens, volume], out)
+
+
+ZOO_PRUNED = {
+    "conv/kernel", "depthwise/kernel", "separable/pointwise_kernel", "transpose/kernel",
+    "embedding/embeddings", "conv1d/kernel", "mha/query/kernel", "mha/key/kernel",
+    "mha/value/kernel", "mha/attention_output/kernel", "einsum/kernel", "conv3d/kernel",
+    "custom/w", "head/kernel",
+}
+
+
+def test_supported_layers_and_never_biases_or_norms():
+    model = _zoo()
+    assert {w.path for w in find_prunable_weights(model)} == ZOO_PRUNED
+    model.compile("sgd", sparse_ce())
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(16, 8, 8, 3)).astype("float32"), rng.integers(0, 20, (16, 6)),
+         rng.normal(size=(16, 4, 4, 4, 2)).astype("float32")]
+    y = rng.integers(0, 3, 16)
+    pruning = Pruning(ConstantSparsity(0.5, begin_step=1, frequency=1))
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[pruning])
+    assert set(pruning.pruned_weights) == ZOO_PRUNED
+    for variable in model.weights:
+        value = np.asarray(variable.value)
+        if variable.path in ZOO_PRUNED:
+            assert int(np.sum(value == 0)) == _expected_zeros(value.size, 0.5), variable.path
+        elif variable.trainable and value.size > 1:
+            # Biases and normalisation weights: nothing forced to zero.
+            assert np.mean(value == 0) < 0.5, variable.path
+
+
+def test_layer_selection_by_name_and_type():
+    model = _zoo()
+    by_name = find_prunable_weights(model, ["head", "conv"])
+    assert [w.path for w in by_name] == ["head/kernel", "conv/kernel"]
+    by_type = {w.path for w in find_prunable_weights(model, keras.layers.MultiHeadAttention)}
+    assert by_type == {"mha/query/kernel", "mha/key/kernel", "mha/value/kernel",
+                       "mha/attention_output/kernel"}
+    mixed = {w.path for w in find_prunable_weights(model, ["custom", keras.layers.Conv3D])}
+    assert mixed == {"custom/w", "conv3d/kernel"}
+
+
+@pytest.mark.parametrize("layers, match", [
+    (["head", "nope"], "names no layer of the model: nope"),
+    ([keras.layers.LSTM], "names no layer of the model: LSTM"),
+    (["bn"], "'bn' \\(BatchNormalization\\) has no prunable weights"),
+    ([], "empty"),
+])
+def test_layer_selection_errors(layers, match):
+    with pytest.raises(ValueError, match=match):
+        find_prunable_weights(_zoo(), layers)
+
+
+def test_bad_layers_type():
+    with pytest.raises(TypeError, match="layers"):
+        Pruning(ConstantSparsity(0.5, 0), layers=[3])
+
+
+def test_nothing_prunable_is_an_error_at_fit():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(),
+                              keras.layers.Activation("relu")])
+    model.compile("sgd", "mse")
+    with pytest.raises(ValueError, match="Nothing to prune"):
+        model.fit(np.ones((8, 4)), np.ones((8, 4)), verbose=0,
+                  callbacks=[Pruning(ConstantSparsity(0.5, 0))])
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(m_by_n=(4, 2)), ValueError, "0 < m < n"),
+    (dict(m_by_n=(0, 4)), ValueError, "0 < m < n"),
+    (dict(m_by_n=(2, 2)), ValueError, "0 < m < n"),
+    (dict(m_by_n=(-1, 4)), ValueError, "0 < m < n"),
+    (dict(m_by_n=(2.0, 4)), TypeError, "m_by_n"),
+    (dict(m_by_n=4), TypeError, "m_by_n"),
+    (dict(m_by_n=(2, 4), block_size=(2, 2)), ValueError, "not both"),
+    (dict(block_size=(0, 2)), ValueError, "block_size"),
+    (dict(block_size=(2, 2, 2)), TypeError, "block_size"),
+    (dict(block_pooling_type="MEAN"), ValueError, "'AVG' or 'MAX'"),
+    (dict(log_dir=""), TypeError, "log_dir"),
+])
+def test_pruning_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Pruning(ConstantSparsity(0.5, 0), **kwargs)
+
+
+def test_m_by_n_refuses_a_schedule_with_another_sparsity():
+    with pytest.raises(ValueError, match="fixed at 2/4 = 0.5, but the schedule ends at 0.8"):
+        Pruning(PolynomialDecay(0.0, 0.8, 0, 100), m_by_n=(2, 4))
+
+
+def test_schedule_must_be_callable_with_a_pair():
+    with pytest.raises(TypeError, match="pruning schedule"):
+        Pruning(0.5)
+    with pytest.raises(TypeError, match="should_prune, sparsity"):
+        Pruning(lambda step: 0.5)
+
+
+def test_block_size_needs_rank_2_at_fit():
+    model = _zoo()
+    model.compile("sgd", sparse_ce())
+    with pytest.raises(ValueError, match="needs rank-2 weights"):
+        Pruning(ConstantSparsity(0.5, 0), block_size=(2, 2)).install(model)
+    Pruning(ConstantSparsity(0.5, 0), block_size=(2, 2), layers=["head"]).install(model)
+
+
+def test_custom_callable_schedule_and_invalid_sparsity():
+    x, y = toy_data(64, inputs=16)
+    model = _small_mlp()
+
+    def schedule(step):
+        return tf.equal(step, 2), tf.constant(0.25)
+
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[Pruning(schedule)])
+    kernel = np.asarray(model.layers[0].kernel.value)
+    assert int(np.sum(kernel == 0)) == _expected_zeros(kernel.size, 0.25)
+
+    def broken(step):
+        return tf.equal(step, 2), tf.constant(1.5)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside \\[0, 1\\)"):
+        _small_mlp().fit(x, y, batch_size=16, epochs=1, verbose=0,
+                         callbacks=[Pruning(broken)])
+
+
+def test_get_config_round_trip():
+    pruning = Pruning(PolynomialDecay(0.0, 0.5, 0, 100, frequency=5),
+                      layers=["head", keras.layers.Conv2D], m_by_n=(2, 4), log_dir="logs")
+    config = pruning.get_config()
+    json.dumps(config)
+    restored = Pruning.from_config(config)
+    assert restored.get_config() == config
+    assert restored.layers == ["head", keras.layers.Conv2D]
+    assert restored.schedule == pruning.schedule
+
+
+class SubclassedNet(keras.Model):
+    """A subclassed model: Keras builds it lazily, in the first trace of the step."""
+
+    def __init__(self, hidden=32, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = hidden
+        self.body = keras.layers.Dense(hidden, activation="relu")
+        self.head = keras.layers.Dense(5)
+
+    def call(self, x):
+        return self.head(self.body(x))
+
+    def get_config(self):
+        return {"hidden": self.hidden, **super().get_config()}
+
+
+@pytest.mark.parametrize("case", ["default", "jit"])
+def test_subclassed_model_under_mixed_bfloat16(case, tmp_path):
+    """tfmot fails on both (tensorflow/model-optimization#155, #409)."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    x, y = toy_data(128, inputs=16)
+    model = SubclassedNet()
+    model.compile("adam", sparse_ce(), steps_per_execution=2, jit_compile=case == "jit")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[
+        Pruning(ConstantSparsity(0.5, begin_step=1, frequency=2))])
+    for layer in (model.body, model.head):
+        kernel = np.asarray(layer.kernel.value)
+        assert layer.kernel.dtype == "float32" and layer.compute_dtype == "bfloat16"
+        assert int(np.sum(kernel == 0)) == _expected_zeros(kernel.size, 0.5)
+    stripped = strip_pruning(model)
+    np.testing.assert_array_equal(stripped.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+# ------------------------------------------------------------ strip & report
+
+
+@pytest.mark.parametrize("case", ["default", "mirrored"])
+def test_strip_pruning_predicts_identically_and_round_trips(case, tmp_path):
+    x, y = toy_data(128, inputs=16)
+    model = _small_mlp(_strategy(case), spe=2)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+              callbacks=[Pruning(ConstantSparsity(0.6, begin_step=1, frequency=2))])
+    stripped = strip_pruning(model)
+    assert stripped is not model
+    assert [type(layer) for layer in stripped.layers] == [keras.layers.Dense] * 2
+    np.testing.assert_array_equal(stripped.predict(x, verbose=0), model.predict(x, verbose=0))
+    path = str(tmp_path / "pruned.keras")
+    stripped.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    for got, want in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    assert sparsity_report(loaded).sparsity == pytest.approx(0.6, abs=0.01)
+    # The trained model itself carries no pruning state either.
+    model.save(str(tmp_path / "trained.keras"))
+    again = keras.saving.load_model(str(tmp_path / "trained.keras"), safe_mode=True)
+    assert len(again.weights) == len(model.weights)
+
+
+def test_sparsity_report_by_hand():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, use_bias=False),
+                              keras.layers.Dense(2)])
+    kernel = np.arange(1, 13, dtype="float32").reshape(4, 3)
+    kernel[kernel % 2 == 0] = 0  # 6 of 12 zero
+    model.layers[0].kernel.assign(kernel)
+    report = sparsity_report(model, compressed=True)
+    first = report.weights[0]
+    assert (first.size, first.zeros, first.sparsity) == (12, 6, 0.5)
+    assert first.dense_bytes == 48
+    assert first.csr_bytes == 6 * (4 + 4) + (4 + 1) * 4  # values + col idx + row ptr
+    assert first.bitmask_bytes == 6 * 4 + 2
+    assert first.best_bytes == 26
+    assert first.compressed_bytes > 0
+    head = report.weights[1]
+    assert head.zeros == int(np.sum(np.asarray(model.layers[1].kernel.value) == 0))
+    assert report.model_bytes == (12 + 3 * 2 + 2) * 4
+    assert report.saved_bytes == 48 - 26 + head.dense_bytes - head.best_bytes
+    text = str(report)
+    assert "sequential" in text and "50.00%" in text
+
+
+def test_log_dir_writes_sparsity_and_threshold(tmp_path):
+    x, y = toy_data(128, inputs=16)
+    model = _small_mlp()
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[
+        Pruning(ConstantSparsity(0.4, begin_step=1, frequency=2), log_dir=str(tmp_path))])
+    scalars = {}
+    for name in os.listdir(tmp_path):
+        for event in tf.compat.v1.train.summary_iterator(str(tmp_path / name)):
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(
+                    (event.step, float(tf.make_ndarray(value.tensor))))
+    tags = {f"pruning/{k.path}/{what}" for k in _kernels(model)
+            for what in ("sparsity", "threshold")} | {"pruning/schedule_sparsity"}
+    assert set(scalars) == tags
+    for kernel in _kernels(model):
+        steps, sparsities = zip(*scalars[f"pruning/{kernel.path}/sparsity"])
+        assert steps == (4, 8)
+        size = int(np.prod(kernel.shape))
+        assert sparsities[-1] == pytest.approx(_expected_zeros(size, 0.4) / size, abs=1e-6)
+        threshold = scalars[f"pruning/{kernel.path}/threshold"][-1][1]
+        assert threshold > 0
+
+
+@pytest.mark.parametrize("schedule", [
+    ConstantSparsity(0.5, begin_step=0),
+    ConstantSparsity(0.5, begin_step=0, frequency=1),
+    ConstantSparsity(0.9, begin_step=37, end_step=1500, frequency=7),
+    PolynomialDecay(0.0, 0.8, begin_step=0, end_step=1000),
+    PolynomialDecay(0.2, 0.95, begin_step=150, end_step=1750, power=2, frequency=13),
+    PolynomialDecay(0.5, 0.1, begin_step=3, end_step=997, frequency=1),
+])
+def test_in_step_predicate_equals_the_schedule(schedule):
+    """The simplified predicate the step evaluates equals schedule(step)[0]."""
+    steps = tf.range(0, 2001, dtype=tf.int64)
+    should, sparsity_fn = Pruning(schedule)._should_prune(steps)
+    expected, _ = schedule(steps)
+    np.testing.assert_array_equal(np.broadcast_to(should.numpy(), expected.shape),
+                                  expected.numpy())
+    np.testing.assert_array_equal(sparsity_fn().numpy(), schedule(steps)[1].numpy())
