@@ -29,3 +29,12 @@ def require_tensorflow_backend(what: str) -> None:
             f"but Keras is running on {backend!r}. Set KERAS_BACKEND=tensorflow "
             "before importing keras."
         )
+
+
+def check_positive_int(value, name: str) -> int:
+    """Returns `value` if it is an int >= 1 (bools refused), else raises naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int >= 1, got {value!r} ({type(value).__name__}).")
+    if value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1, got {value}.")
+    return value

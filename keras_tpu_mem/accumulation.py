@@ -4,21 +4,13 @@ from __future__ import annotations
 
 import keras
 
-from keras_tpu_mem._utils import logger
+from keras_tpu_mem._utils import check_positive_int, logger
 from keras_tpu_mem.engine import EngineCallback
 
 # Loss reductions for which the mean of equal micro-batch losses equals the
 # full-batch loss. "sum" would need the sum, and "mean_with_sample_weight"
 # divides by each micro-batch's own weight total.
 _EXACT_REDUCTIONS = (None, "sum_over_batch_size", "mean")
-
-
-def _check_positive_int(value, name):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int >= 1, got {value!r} ({type(value).__name__}).")
-    if value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1, got {value}.")
-    return value
 
 
 def _loss_reductions(loss):
@@ -102,10 +94,10 @@ class GradientAccumulation(EngineCallback):
                 f"`micro_batch_size` (examples per micro-batch); got steps={steps!r}, "
                 f"micro_batch_size={micro_batch_size!r}."
             )
-        self.steps = None if steps is None else _check_positive_int(steps, "steps")
+        self.steps = None if steps is None else check_positive_int(steps, "steps")
         self.micro_batch_size = (
             None if micro_batch_size is None
-            else _check_positive_int(micro_batch_size, "micro_batch_size")
+            else check_positive_int(micro_batch_size, "micro_batch_size")
         )
 
     def get_config(self):

@@ -174,6 +174,24 @@ class MemoryReading:
         return self.current_bytes is not None
 
 
+def replica_device_names(strategy) -> list[str]:
+    """Full device names of a strategy's replicas, e.g. `/job:.../device:CPU:1`.
+
+    The default strategy has no replica list: its one replica runs where
+    TensorFlow places ops, the first GPU if there is one, else the CPU.
+    """
+    import tensorflow as tf
+
+    try:
+        names = list(strategy.extended.worker_devices)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        names = []
+    if not names:
+        gpus = tf.config.list_logical_devices("GPU")
+        names = [gpus[0].name] if gpus else ["/device:CPU:0"]
+    return names
+
+
 def read_memory(device: str) -> tuple[int, int] | None:
     """Returns `(current_bytes, peak_bytes)` for a device, or `None`.
 

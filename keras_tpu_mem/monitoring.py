@@ -138,26 +138,11 @@ def _short(name: str) -> str:
     return name.split("device:")[-1]
 
 
-def _replica_device_names(strategy) -> list[str]:
-    """Full device names of the strategy's replicas (default strategy: the device ops land on)."""
-    import tensorflow as tf
-
-    try:
-        names = list(strategy.extended.worker_devices)
-    except (RuntimeError, AttributeError, NotImplementedError):
-        names = []
-    if not names:
-        # The default strategy places ops on the first GPU if there is one.
-        gpus = tf.config.list_logical_devices("GPU")
-        names = [gpus[0].name] if gpus else ["/device:CPU:0"]
-    return names
-
-
 def _resolve_devices(strategy) -> list[_Device]:
     """The allocators behind the replicas; all logical CPUs share one."""
     result: list[_Device] = []
     cpu_replicas = []
-    for name in _replica_device_names(strategy):
+    for name in devices.replica_device_names(strategy):
         short = _short(name)
         if short.upper().startswith("CPU"):
             cpu_replicas.append(short)

@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Sequence
 
 from keras_tpu_mem import devices
-from keras_tpu_mem._utils import logger, require_tensorflow_backend
+from keras_tpu_mem._utils import check_positive_int, logger, require_tensorflow_backend
 
 # Per-replica batches planned by compiling them directly: at most this.
 _MAX_DIRECT_BATCH = 64
@@ -63,14 +63,6 @@ _UNITS = {"gib": devices.GIB, "gb": devices.GB, "mib": 1024**2, "mb": 1000**2}
 # --------------------------------------------------------------------------
 # validation helpers
 # --------------------------------------------------------------------------
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be a positive int, got {value!r}.")
-    if value < 1:
-        raise ValueError(f"`{name}` must be a positive int (>= 1), got {value}.")
-    return value
-
-
 def _check_model(model, what: str):
     import keras
 
@@ -202,7 +194,7 @@ def infer_data_specs(model, batch_size: int, x_spec=None, y_spec=None):
     Raises:
         ValueError: if a shape cannot be inferred; the message says what to pass.
     """
-    _positive_int(batch_size, "batch_size")
+    check_positive_int(batch_size, "batch_size")
     if x_spec is not None:
         xs = _map_specs(x_spec, batch_size, "x_spec")
     else:
@@ -594,7 +586,7 @@ def compiled_memory(model, batch_size: int, *, x_spec=None, y_spec=None) -> Comp
     mem.temp_bytes          # activations + gradients + workspace, in bytes
     ```
     """
-    _positive_int(batch_size, "batch_size")
+    check_positive_int(batch_size, "batch_size")
     return _Compiler(model, x_spec, y_spec)(batch_size)
 
 
@@ -923,7 +915,7 @@ def _largest_batch(budget, fixed_state, act, data_per_sample, other, limit=1 << 
 
 
 def _validate_plan_args(global_batch_size, headroom, accumulation_steps, compile_batches):
-    _positive_int(global_batch_size, "global_batch_size")
+    check_positive_int(global_batch_size, "global_batch_size")
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
         raise TypeError(f"`headroom` must be a float in [0, 1), got {headroom!r}.")
     if not 0.0 <= float(headroom) < 1.0:
@@ -947,7 +939,7 @@ def _validate_plan_args(global_batch_size, headroom, accumulation_steps, compile
                 f"got {compile_batches!r}."
             )
         for b in compile_batches:
-            _positive_int(b, "compile_batches[i]")
+            check_positive_int(b, "compile_batches[i]")
 
 
 def plan(

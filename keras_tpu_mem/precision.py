@@ -269,17 +269,10 @@ def _cpu_bf16_flags() -> list[str] | None:
 def _device_types(strategy) -> list[str]:
     import tensorflow as tf
 
-    try:
-        devices = list(strategy.extended.worker_devices)
-    except (RuntimeError, AttributeError, NotImplementedError):
-        devices = []
-    if not devices:
-        for kind in ("TPU", "GPU", "CPU"):
-            logical = tf.config.list_logical_devices(kind)
-            if logical:
-                devices = [logical[0].name]
-                break
-    return sorted({tf.DeviceSpec.from_string(d).device_type or "CPU" for d in devices})
+    from keras_tpu_mem.devices import replica_device_names
+
+    return sorted({tf.DeviceSpec.from_string(d).device_type or "CPU"
+                   for d in replica_device_names(strategy)})
 
 
 def device_notice(strategy=None) -> str | None:

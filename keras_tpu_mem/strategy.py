@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 
 from keras_tpu_mem import devices
-from keras_tpu_mem._utils import logger, require_tensorflow_backend
+from keras_tpu_mem._utils import check_positive_int, logger, require_tensorflow_backend
 
 # Environment variables that name a TPU. Colab's legacy TPU runtime exports
 # COLAB_TPU_ADDR (a grpc host:port); Cloud TPU nodes and most launch scripts
@@ -87,14 +87,6 @@ def mirrored_logical_cpus(count: int):
     return _shared_strategy(("CPU", tuple(cpus)), lambda: tf.distribute.MirroredStrategy(cpus))
 
 
-def _validate_positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be a positive int, got {value!r}.")
-    if value < 1:
-        raise ValueError(f"`{name}` must be a positive int (>= 1), got {value}.")
-    return value
-
-
 def configure_logical_cpus(count: int) -> None:
     """Splits the host CPU into `count` logical devices for MirroredStrategy.
 
@@ -106,7 +98,7 @@ def configure_logical_cpus(count: int) -> None:
     """
     import tensorflow as tf
 
-    _validate_positive_int(count, "logical_cpus")
+    check_positive_int(count, "logical_cpus")
     cpu = tf.config.list_physical_devices("CPU")[0]
     wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
     try:
@@ -161,7 +153,7 @@ class TPUStrategyWrapper:
     def __init__(self, tpu: str | None = None, *, logical_cpus: int | None = None):
         require_tensorflow_backend("TPUStrategyWrapper")
         if logical_cpus is not None:
-            _validate_positive_int(logical_cpus, "logical_cpus")
+            check_positive_int(logical_cpus, "logical_cpus")
         address, reason = resolve_tpu_address(tpu)
         self._tpu_address = address
         self._resolver = None
@@ -282,7 +274,7 @@ class TPUStrategyWrapper:
     # ------------------------------------------------------------ arithmetic
     def global_batch_size(self, per_replica: int) -> int:
         """Global batch for a per-replica batch: `per_replica * num_replicas`."""
-        _validate_positive_int(per_replica, "per_replica")
+        check_positive_int(per_replica, "per_replica")
         return per_replica * self.num_replicas
 
     def per_replica_batch_size(self, global_batch: int) -> int:
@@ -291,7 +283,7 @@ class TPUStrategyWrapper:
         Raises:
             ValueError: if `global_batch` does not split evenly over the replicas.
         """
-        _validate_positive_int(global_batch, "global_batch")
+        check_positive_int(global_batch, "global_batch")
         if global_batch % self.num_replicas:
             lower = global_batch - global_batch % self.num_replicas
             upper = lower + self.num_replicas
@@ -342,13 +334,7 @@ class TPUStrategyWrapper:
     # ---------------------------------------------------------------- memory
     def replica_devices(self) -> list[str]:
         """Short device names of the replicas, e.g. `["CPU:0", "CPU:1"]`."""
-        try:
-            names = list(self._strategy.extended.worker_devices)
-        except RuntimeError:  # the default strategy has no worker list
-            names = []
-        if not names:
-            names = ["/device:CPU:0"]
-        return [n.split("device:")[-1] for n in names]
+        return [n.split("device:")[-1] for n in devices.replica_device_names(self._strategy)]
 
     def memory_info(self) -> list[devices.MemoryReading]:
         """Allocator state of every replica device.

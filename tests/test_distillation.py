@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import RaiseAtEpoch
 
 import keras_tpu_mem.distillation as dist
 from keras_tpu_mem.accumulation import GradientAccumulation
@@ -433,14 +434,6 @@ def alpha_schedule(epoch):
     return 0.2 + 0.2 * epoch
 
 
-class InterruptAtEpoch(keras.callbacks.Callback):
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == self.epoch:
-            raise RuntimeError("simulated interruption")
 
 
 def count_traces(callback):
@@ -484,9 +477,9 @@ def test_schedules_resume_through_backup_and_restore(tmp_path, source):
     # Interrupted at epoch 2, then resumed by a fresh BackupAndRestore.
     student = compile_student(linear(3))
     backup = str(tmp_path / "backup")
-    with pytest.raises(RuntimeError, match="simulated interruption"):
+    with pytest.raises(RuntimeError, match="interrupted at epoch 2"):
         fit(student, data, [keras.callbacks.BackupAndRestore(backup), callback(),
-                            InterruptAtEpoch(2)], epochs=epochs)
+                            RaiseAtEpoch(2)], epochs=epochs)
     student = compile_student(linear(3))
     resumed = callback()
     fit(student, data, [keras.callbacks.BackupAndRestore(backup), resumed], epochs=epochs)
