@@ -188,11 +188,10 @@ def reference(x, y, **kwargs):
     return np_train(w0, b0, x, y, teacher_np_logits(x), **kwargs)
 
 
-@pytest.mark.parametrize("source", ["live", "cache"])
-def test_fit_equals_numpy_reference(strategy_case, source):
-    """5 SGD steps: weights and logged loss equal float64 numpy, on 1 or 2 replicas."""
+def fit_against_reference(case, source, **setup):
+    """Distils with a live teacher or its cache; weights and loss must equal float64 numpy."""
     x, y = make_data()
-    student, teacher = setup_case(strategy_case)
+    student, teacher = setup_case(case, **setup)
     if source == "live":
         data, callback = batched(x, y), Distillation(teacher, temperature=2.0, alpha=0.3)
     else:
@@ -202,6 +201,13 @@ def test_fit_equals_numpy_reference(strategy_case, source):
     ref_w, ref_b, ref_loss = reference(x, y)
     weights_close(student.get_weights(), [ref_w, ref_b])
     np.testing.assert_allclose(history.history["loss"][0], ref_loss, rtol=1e-5)
+    return student
+
+
+@pytest.mark.parametrize("source", ["live", "cache"])
+def test_fit_equals_numpy_reference(strategy_case, source):
+    """5 SGD steps: weights and logged loss equal float64 numpy, on 1 or 2 replicas."""
+    fit_against_reference(strategy_case, source)
 
 
 @pytest.mark.parametrize("case_name, source", [("default", "live"), ("mirrored", "cache"),
@@ -210,18 +216,7 @@ def test_steps_per_execution(case_name, source):
     """steps_per_execution=2 over 5 steps (2 + 2 + 1) equals the reference."""
     from conftest import StrategyCase
 
-    case = StrategyCase(case_name)
-    x, y = make_data()
-    student, teacher = setup_case(case, steps_per_execution=2)
-    if source == "live":
-        data, callback = batched(x, y), Distillation(teacher, temperature=2.0, alpha=0.3)
-    else:
-        data = cached(teacher, x, y, student=student)
-        callback = Distillation(temperature=2.0, alpha=0.3)
-    history = fit(student, data, [callback])
-    ref_w, ref_b, ref_loss = reference(x, y)
-    weights_close(student.get_weights(), [ref_w, ref_b])
-    np.testing.assert_allclose(history.history["loss"][0], ref_loss, rtol=1e-5)
+    student = fit_against_reference(StrategyCase(case_name), source, steps_per_execution=2)
     assert int(student.optimizer.iterations.numpy()) == STEPS
 
 
