@@ -9,27 +9,28 @@ One run measures, side by side, the fit step time of an MLP with Adam and
 * `--model large`: 784-2048-2048-10 (6.2M parameters) on random data, batch
   256, 28 steps per epoch: a step dominated by the weights' memory traffic.
 
-Configurations:
+Configurations, in pairs, each pair in its own subprocess:
 
-* `keras`         plain Keras 3 `fit`, dense;
-* `ktm`           Keras 3 `fit` with `ktm.Pruning` (masks applied after every
-                  update inside the compiled step);
-* `tf_keras`      plain tf_keras `fit`, dense (TF_USE_LEGACY_KERAS=1);
-* `tfmot`         tf_keras `fit` of `tfmot.sparsity.keras.prune_low_magnitude(model)`
-                  with `UpdatePruningStep` (tfmot refuses Keras 3 models).
+* Keras 3:  `keras`  plain `fit`, dense, and `ktm`  `fit` with `ktm.Pruning`
+            (masks applied after every update inside the compiled step);
+* tf_keras (TF_USE_LEGACY_KERAS=1; tfmot refuses Keras 3 models): `tf_keras`
+            plain `fit`, dense, and `tfmot`  `fit` of
+            `tfmot.sparsity.keras.prune_low_magnitude(model)` with
+            `UpdatePruningStep`.
 
-Every configuration runs in its own subprocess (tfmot switches the process to
-legacy Keras), launched alternately, in a rotated order each repetition, so
-that machine noise hits them alike. Each subprocess fits one warm-up epoch
-(tracing, compiling), then `--epochs` timed epochs, and reports the median
-epoch time per step, both wall-clock and process CPU time (the latter is much
-less disturbed by other processes on a shared machine). The tables give medians
-over repetitions and the ratios ktm / keras and tfmot / tf_keras (each against
-the dense fit of its own Keras), for each setting of steps_per_execution, with
-and without jit_compile (XLA, as on TPU).
+Within a subprocess both models of the pair are built, each fits one warm-up
+epoch (tracing, compiling), then they take turns, one epoch each (`fit` called
+again; the optimizer and the schedule carry on), for `--rounds` rounds, the
+first of each round swapping every round. A turn is timed from
+`on_epoch_begin` to `on_epoch_end`, wall-clock and process CPU time. The
+machines this runs on are shared and noisy over seconds; taking turns every
+fraction of a second puts the two models of a pair under the same noise, so
+the ratio of each round (pruned / dense) is reported: the median over all
+rounds of all repetitions. Each pruning method is compared with the dense fit
+of its own Keras (tf_keras' dense step is faster than Keras 3's here).
 
-Run:  python benchmarks/bench_pruning.py [--model digits|large] [--reps 5] [--epochs 3]
-                                         [--settings 1,8,8jit]
+Run:  python benchmarks/bench_pruning.py [--model digits|large] [--reps 3]
+                                         [--rounds 10] [--settings 1,8,8jit]
 """
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ import subprocess
 import sys
 import time
 
+PAIRS = {"keras3": ("keras", "ktm"), "legacy": ("tf_keras", "tfmot")}
 MODES = ("keras", "ktm", "tf_keras", "tfmot")
-# digits: the MLP of the issue; large: weight-heavy (6.2M parameters), where the
-# per-step cost is dominated by the weights' memory traffic, not per-op overhead.
 MODELS = {"digits": {"inputs": 64, "hidden": 256, "batch": 32},
           "large": {"inputs": 784, "hidden": 2048, "batch": 256}}
 
@@ -66,10 +66,10 @@ def _data(spec):
     return x[:n], y[:n]
 
 
-def worker(mode: str, epochs: int, spe: int, jit: bool, model_name: str) -> dict:
-    """Runs one configuration in this process and returns its timings."""
+def worker(pair: str, rounds: int, spe: int, jit: bool, model_name: str) -> dict:
+    """Runs one pair of configurations in this process, taking turns; returns timings."""
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    legacy = mode in ("tf_keras", "tfmot")
+    legacy = pair == "legacy"
     if legacy:
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
         import tf_keras as keras
@@ -83,69 +83,82 @@ def worker(mode: str, epochs: int, spe: int, jit: bool, model_name: str) -> dict
     batch = spec["batch"]
     x, y = _data(spec)
     steps_per_epoch = len(x) // batch
-    timed_steps = epochs * steps_per_epoch
     # Warm-up epoch + timed epochs; the schedule ends with the last timed step.
     frequency = 100 if steps_per_epoch > 100 else 10
-    end_step = (epochs + 1) * steps_per_epoch // frequency * frequency
+    end_step = (rounds + 1) * steps_per_epoch // frequency * frequency
 
-    keras.utils.set_random_seed(0)
-    hidden = spec["hidden"]
-    layers = [keras.Input((spec["inputs"],)), keras.layers.Dense(hidden, activation="relu"),
-              keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(10)]
-    model = keras.Sequential(layers)
-    callbacks = []
-    if mode == "tfmot":
-        import tensorflow_model_optimization as tfmot
+    def build(mode):
+        keras.utils.set_random_seed(0)
+        hidden = spec["hidden"]
+        model = keras.Sequential([
+            keras.Input((spec["inputs"],)), keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(10)])
+        callbacks = []
+        if mode == "tfmot":
+            import tensorflow_model_optimization as tfmot
 
-        schedule = tfmot.sparsity.keras.PolynomialDecay(0.0, 0.8, begin_step=0,
-                                                        end_step=end_step, frequency=frequency)
-        model = tfmot.sparsity.keras.prune_low_magnitude(model, pruning_schedule=schedule)
-        callbacks.append(tfmot.sparsity.keras.UpdatePruningStep())
-    elif mode == "ktm":
-        from keras_tpu_mem.pruning import PolynomialDecay, Pruning
+            schedule = tfmot.sparsity.keras.PolynomialDecay(
+                0.0, 0.8, begin_step=0, end_step=end_step, frequency=frequency)
+            model = tfmot.sparsity.keras.prune_low_magnitude(model, pruning_schedule=schedule)
+            callbacks.append(tfmot.sparsity.keras.UpdatePruningStep())
+        elif mode == "ktm":
+            from keras_tpu_mem.pruning import PolynomialDecay, Pruning
 
-        callbacks.append(Pruning(PolynomialDecay(0.0, 0.8, begin_step=0, end_step=end_step,
-                                                 frequency=frequency)))
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  steps_per_execution=spe, jit_compile=jit)
-
-    times, cpu_times = [], []
+            callbacks.append(Pruning(PolynomialDecay(0.0, 0.8, begin_step=0,
+                                                     end_step=end_step, frequency=frequency)))
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=spe, jit_compile=jit)
+        return model, callbacks
 
     class Timer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.wall, self.cpu = [], []
+
         def on_epoch_begin(self, epoch, logs=None):
-            self.start, self.cpu = time.perf_counter(), time.process_time()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_epoch_end(self, epoch, logs=None):
-            times.append(time.perf_counter() - self.start)
-            cpu_times.append(time.process_time() - self.cpu)
+            self.wall.append(1000 * (time.perf_counter() - self.start) / steps_per_epoch)
+            self.cpu.append(1000 * (time.process_time() - self.cpu_start) / steps_per_epoch)
 
-    model.fit(x, y, batch_size=batch, epochs=epochs + 1, verbose=0, shuffle=False,
-              callbacks=callbacks + [Timer()])
-    kernels = [w for w in model.trainable_weights if "kernel" in (w.path if not legacy
-                                                                      else w.name)]
-    sparsity = float(np.mean([np.mean(np.asarray(w) == 0) for w in kernels]))
-    # The first epoch traces (and compiles) the step: not timed.
-    return {
-        "mode": mode, "model": model_name, "spe": spe, "jit": jit, "steps_timed": timed_steps,
-        "ms_per_step": 1000 * statistics.median(times[1:]) / steps_per_epoch,
-        "cpu_ms_per_step": 1000 * statistics.median(cpu_times[1:]) / steps_per_epoch,
-        "kernel_sparsity": sparsity, "tf": tf.__version__, "keras": keras.__version__,
-    }
+    runs = {}
+    for mode in PAIRS[pair]:
+        model, callbacks = build(mode)
+        timer = Timer()
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                  callbacks=callbacks)  # warm-up: traces (and compiles) the step
+        runs[mode] = (model, callbacks + [timer], timer)
+    order = list(PAIRS[pair])
+    for _ in range(rounds):
+        for mode in order:
+            model, callbacks, _ = runs[mode]
+            model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                      callbacks=callbacks)
+        order.reverse()
+
+    row = {"pair": pair, "model": model_name, "spe": spe, "jit": jit, "rounds": rounds,
+           "tf": tf.__version__, "keras": keras.__version__}
+    for mode, (model, _, timer) in runs.items():
+        kernels = [w for w in model.trainable_weights
+                   if "kernel" in (w.name if legacy else w.path)]
+        row[mode] = {"wall": timer.wall, "cpu": timer.cpu, "kernel_sparsity": float(
+            np.mean([np.mean(np.asarray(w) == 0) for w in kernels]))}
+    return row
 
 
-def run_worker(mode: str, epochs: int, setting: str, model_name: str) -> dict:
-    spe, jit = _parse_setting(setting)
+def run_worker(pair: str, rounds: int, setting: str, model_name: str) -> dict:
     env = dict(os.environ)
     env.pop("TF_USE_LEGACY_KERAS", None)
     env["KERAS_BACKEND"] = "tensorflow"
-    command = [sys.executable, __file__, "--worker", mode, "--epochs", str(epochs),
+    command = [sys.executable, __file__, "--worker", pair, "--rounds", str(rounds),
                "--settings", setting, "--model", model_name]
     out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         tail = out.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        return {"mode": mode, "spe": spe, "jit": jit, "error": tail[0][:200]}
+        return {"pair": pair, "error": tail[0][:200]}
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -155,54 +168,71 @@ def _parse_setting(setting: str):
     return int(setting[:-3] if jit else setting), jit
 
 
-def _median(rows, key):
-    values = [r[key] for r in rows if key in r]
-    return statistics.median(values) if values else float("nan")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3, help="subprocesses per pair and setting")
+    parser.add_argument("--rounds", type=int, default=10, help="turns per subprocess")
     parser.add_argument("--settings", default="1,8,8jit",
                         help="steps_per_execution values; suffix 'jit' for jit_compile=True")
     parser.add_argument("--model", choices=sorted(MODELS), default="digits")
-    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=sorted(PAIRS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     settings = str(args.settings).split(",")
     if args.worker:
         spe, jit = _parse_setting(settings[0])
-        row = worker(args.worker, args.epochs, spe, jit, args.model)
+        row = worker(args.worker, args.rounds, spe, jit, args.model)
         print("RESULT " + json.dumps(row), flush=True)
         return
 
-    results = {(setting, mode): [] for setting in settings for mode in MODES}
+    rows = {(setting, pair): [] for setting in settings for pair in PAIRS}
     for rep in range(args.reps):
         for setting in settings:
-            order = MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]
-            for mode in order:
-                row = run_worker(mode, args.epochs, setting, args.model)
-                results[(setting, mode)].append(row)
+            for pair in (sorted(PAIRS) if rep % 2 == 0 else sorted(PAIRS, reverse=True)):
+                row = run_worker(pair, args.rounds, setting, args.model)
+                rows[(setting, pair)].append(row)
                 if "error" in row:
-                    print(f"rep {rep} {setting:>5} {mode:>8}: FAILED {row['error']}", flush=True)
-                else:
-                    print(f"rep {rep} {setting:>5} {mode:>8}: {row['ms_per_step']:.3f} ms/step "
-                          f"wall, {row['cpu_ms_per_step']:.3f} CPU "
-                          f"(kernel sparsity {row['kernel_sparsity']:.3f})", flush=True)
+                    print(f"rep {rep} {setting:>5} {pair:>7}: FAILED {row['error']}", flush=True)
+                    continue
+                dense, pruned = PAIRS[pair]
+                ratios = [p / d for d, p in zip(row[dense]["wall"], row[pruned]["wall"])]
+                print(f"rep {rep} {setting:>5} {pair:>7}: {dense} "
+                      f"{statistics.median(row[dense]['wall']):.3f} ms/step, {pruned} "
+                      f"{statistics.median(row[pruned]['wall']):.3f}, round ratios "
+                      f"{min(ratios):.2f}..{max(ratios):.2f} (median "
+                      f"{statistics.median(ratios):.3f}); kernel sparsity "
+                      f"{row[pruned]['kernel_sparsity']:.3f}", flush=True)
 
-    for key, what in (("ms_per_step", "wall-clock"), ("cpu_ms_per_step", "process CPU")):
-        print(f"\n{args.model}: ms per step ({what}), medians of {args.reps} alternating "
-              "repetitions")
-        print("| steps_per_execution | keras | ktm | ktm / keras | tf_keras | tfmot "
-              "| tfmot / tf_keras |")
-        print("|---|---|---|---|---|---|---|")
+    def pooled(setting, mode, key):
+        pair = next(p for p, modes in PAIRS.items() if mode in modes)
+        return [t for row in rows[(setting, pair)] if mode in row for t in row[mode][key]]
+
+    def ratio(setting, pair, key):
+        dense, pruned = PAIRS[pair]
+        values = [p / d for row in rows[(setting, pair)] if dense in row
+                  for d, p in zip(row[dense][key], row[pruned][key])]
+        return statistics.median(values) if values else float("nan")
+
+    def median(values):
+        return statistics.median(values) if values else float("nan")
+
+    rounds = args.reps * args.rounds
+    print(f"\n{args.model}: ms per step, medians of {rounds} turns per configuration "
+          f"({args.reps} processes x {args.rounds} rounds); ratios: median of the rounds' "
+          "ratios")
+    print("| ms per step | keras | ktm | **ktm / keras** | tf_keras | tfmot "
+          "| **tfmot / tf_keras** |")
+    print("|---|---|---|---|---|---|---|")
+    for key, what in (("wall", "wall"), ("cpu", "CPU")):
         for setting in settings:
-            med = {mode: _median(results[(setting, mode)], key) for mode in MODES}
-            label = setting.replace("jit", ", jit_compile")
+            spe, jit = _parse_setting(setting)
+            label = f"{what}, steps_per_execution={spe}" + (", jit_compile" if jit else "")
+            med = {mode: median(pooled(setting, mode, key)) for mode in MODES}
             print(f"| {label} | {med['keras']:.3f} | {med['ktm']:.3f} | "
-                  f"{med['ktm'] / med['keras']:.2f} | {med['tf_keras']:.3f} | "
-                  f"{med['tfmot']:.3f} | {med['tfmot'] / med['tf_keras']:.2f} |")
-    sparsity = {mode: _median(results[(settings[0], mode)], "kernel_sparsity") for mode in MODES}
+                  f"**{ratio(setting, 'keras3', key):.2f}** | {med['tf_keras']:.3f} | "
+                  f"{med['tfmot']:.3f} | **{ratio(setting, 'legacy', key):.2f}** |")
+    sparsity = {mode: median([row[mode]["kernel_sparsity"] for row in rows[(settings[0], pair)]
+                              if mode in row])
+                for pair, modes in PAIRS.items() for mode in modes}
     print("\nfinal kernel sparsity:", ", ".join(f"{m} {v:.3f}" for m, v in sparsity.items()))
 
 

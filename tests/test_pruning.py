@@ -479,6 +479,38 @@ def test_second_fit_keeps_masks_and_frees_zeros_before_pruning_starts():
     np.testing.assert_array_equal(np.asarray(kernel.value) == 0, zeros)
 
 
+def test_recompiling_for_xla_keeps_the_masks_in_bool():
+    """Masks are bool under XLA (1 byte) and in the weight's dtype without (a multiply
+    is faster there); a recompile that switches XLA on mid-run keeps what was pruned."""
+    x, y = toy_data(128, inputs=16)
+    model = _small_mlp()
+    once = ConstantSparsity(0.5, begin_step=2, end_step=2, frequency=1)
+    pruning = Pruning(once)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[pruning])
+    assert [w.mask.dtype for w in pruning._weights] == ["float32", "float32"]
+    zeros = [np.asarray(k.value) == 0 for k in _kernels(model)]
+    assert [z.sum() for z in zeros] == [_expected_zeros(z.size, 0.5) for z in zeros]
+
+    model.compile(optimizer=model.optimizer, loss=sparse_ce(), jit_compile=True)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[pruning])
+    assert [w.mask.dtype for w in pruning._weights] == ["bool", "bool"]
+    assert int(model.optimizer.iterations.numpy()) == 12
+    for kernel, before in zip(_kernels(model), zeros):
+        np.testing.assert_array_equal(np.asarray(kernel.value) == 0, before)
+
+
+@pytest.mark.parametrize("mask_dtype", ["bool", "float32"])
+def test_masking_writes_exact_zeros_over_non_finite_values(mask_dtype):
+    from keras_tpu_mem.pruning import _apply_mask
+
+    value = tf.constant([np.inf, np.nan, -np.inf, -3.0, np.nan, 2.0])
+    mask = tf.cast(tf.constant([False, False, False, False, True, True]), mask_dtype)
+    out = _apply_mask(value, mask).numpy()
+    np.testing.assert_array_equal(out[:4], [0.0, 0.0, 0.0, 0.0])
+    assert not np.signbit(out[:4]).any()  # +0.0, not -0.0
+    assert np.isnan(out[4]) and out[5] == 2.0
+
+
 # ------------------------------------------------------------ composition
 
 
@@ -846,3 +878,37 @@ def test_in_step_predicate_equals_the_schedule(schedule):
     np.testing.assert_array_equal(np.broadcast_to(should.numpy(), expected.shape),
                                   expected.numpy())
     np.testing.assert_array_equal(sparsity_fn().numpy(), schedule(steps)[1].numpy())
+
+
+class _EveryThirdStepFromFive(ConstantSparsity):
+    """A user's subclass whose `__call__` decides otherwise than its attributes say."""
+
+    def __call__(self, step):
+        should = tf.logical_and(step >= 5, tf.equal(tf.math.floormod(step, 3), 0))
+        return should, tf.constant(self.target_sparsity, tf.float32)
+
+
+def test_a_subclass_schedule_is_asked_not_simplified():
+    schedule = _EveryThirdStepFromFive(0.5, begin_step=0, frequency=100)
+    pruning = Pruning(schedule)
+    for step in range(40):
+        should, _ = pruning._should_prune(tf.constant(step, tf.int64))
+        assert bool(should) == (step >= 5 and step % 3 == 0), step
+    assert not pruning._pruning_started(5)
+    assert pruning._pruning_started(6)
+
+
+@pytest.mark.parametrize("schedule, first", [
+    (ConstantSparsity(0.5, begin_step=0, frequency=100), 100),
+    (ConstantSparsity(0.5, begin_step=250_000, frequency=1000), 250_000),
+    (PolynomialDecay(0.0, 0.8, begin_step=0, end_step=10_000, frequency=100), 100),
+    # sparsity 0 at begin_step: pruning starts at the next turn
+    (PolynomialDecay(0.0, 0.8, begin_step=70_000, end_step=90_000, frequency=500), 70_500),
+    (PolynomialDecay(0.3, 0.8, begin_step=70_000, end_step=90_000, frequency=500), 70_000),
+])
+def test_pruning_started_walks_only_the_pruning_turns(schedule, first):
+    """Exact at the boundary, and quick far out (only the schedule's turns are visited)."""
+    pruning = Pruning(schedule)
+    assert not pruning._pruning_started(first - 1)
+    assert pruning._pruning_started(first)
+    assert pruning._pruning_started(10_000_000)
