@@ -139,13 +139,19 @@ class GradientAccumulation(EngineCallback):
                 "scheme), not with the global batch's."
             )
 
+    def _requirement(self):
+        """(what, divisor): the argument that sets the split and what must divide the batch."""
+        size = self.micro_batch_size
+        if size is None:
+            return f"steps={self.steps}", self.steps
+        return f"micro_batch_size={size}", size
+
     def micro_batches(self, per_replica_batch):
         import tensorflow as tf
 
         replicas = self.model.distribute_strategy.num_replicas_in_sync
         size = self.micro_batch_size
-        divisor = self.steps if size is None else size
-        what = f"steps={self.steps}" if size is None else f"micro_batch_size={size}"
+        what, divisor = self._requirement()
         if isinstance(per_replica_batch, int):
             if per_replica_batch % divisor:
                 raise ValueError(self._indivisible_message(what, per_replica_batch, replicas,
@@ -155,18 +161,43 @@ class GradientAccumulation(EngineCallback):
         # on arrays, whose last batch is smaller): check it there.
         check = tf.debugging.assert_equal(
             per_replica_batch % divisor, 0,
-            message=self._indivisible_message(what, "shown below", replicas, divisor),
+            message=self._indivisible_message(what, "its size is shown below", replicas,
+                                              divisor),
         )
         count = self.steps if size is None else per_replica_batch // size
         with tf.control_dependencies([check]):  # check before the batch is split
             return tf.identity(count)
 
+    def explain_error(self, error):
+        # Under XLA the run-time check above is dropped: a batch of unknown size
+        # (arrays, whose last batch is smaller) that does not split fails in
+        # XLA's compilation of the split itself, with a bare reshape error.
+        import tensorflow as tf
+
+        from keras_tpu_mem.engine import MICRO_BATCH_SPLIT
+
+        if not isinstance(error, tf.errors.InvalidArgumentError):
+            return None
+        if MICRO_BATCH_SPLIT not in str(error):
+            return None
+        what, divisor = self._requirement()
+        replicas = self.model.distribute_strategy.num_replicas_in_sync
+        message = self._indivisible_message(
+            what, "a ragged last batch? XLA's error below gives its number of values",
+            replicas, divisor)
+        return tf.errors.InvalidArgumentError(
+            error.node_def, error.op, f"{message}\n\nXLA's error: {error.message}")
+
     @staticmethod
     def _indivisible_message(what, batch, replicas, divisor):
-        global_batch = batch * replicas if isinstance(batch, int) else "?"
+        """`batch`: the per-replica batch size, or a phrase saying where it is shown."""
+        if isinstance(batch, int):
+            batch = f"the per-replica batch of {batch} (global batch {batch * replicas}"
+        else:
+            batch = f"a per-replica batch ({batch}; global batch ?"
         return (
-            f"GradientAccumulation({what}): the per-replica batch of {batch} (global batch "
-            f"{global_batch} over {replicas} replica(s)) does not split evenly. Use a global "
+            f"GradientAccumulation({what}): {batch} over {replicas} replica(s)) does not "
+            f"split evenly. Use a global "
             f"batch that is a multiple of {divisor * replicas} and drop the ragged last "
             "batch, e.g. TPUStrategyWrapper.distribute(dataset, global_batch_size=...), "
             "which batches with drop_remainder=True."

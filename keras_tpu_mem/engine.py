@@ -29,6 +29,10 @@ registration points (all optional, all methods of `Feature`):
   `steps_per_execution > 1` and under XLA because it is part of the step.
   Assign model variables there with `update_variable`, which works in the
   replica context of every strategy.
+* **`explain_error(error) -> Exception | None`** – when the step fails with a
+  TensorFlow error, each feature may return a clearer exception to raise
+  instead (chained to the original). For errors only XLA detects: it drops
+  the step's runtime assertions.
 
 Composition is independent of the order of the callbacks list: features are
 sorted by their `order` attribute (then name) before the step is built, and a
@@ -157,6 +161,10 @@ class Feature:
 
     def after_update(self, ctx: StepContext) -> None:
         """Runs inside the step after the optimizer update."""
+
+    def explain_error(self, error: Exception) -> Exception | None:
+        """A clearer exception for a TensorFlow error of the step, or None."""
+        return None
 
 
 def _overrides(model, method: str) -> bool:
@@ -441,6 +449,16 @@ class Engine:
         replicas = strategy.num_replicas_in_sync
 
         def train_function(iterator):
+            try:
+                return run_steps(iterator)
+            except tf.errors.OpError as error:
+                for feature in self.features:
+                    clearer = feature.explain_error(error)
+                    if clearer is not None:
+                        raise clearer from error
+                raise
+
+        def run_steps(iterator):
             count = self._steps_for_this_call()
             if count is None:
                 if replicas > 1:
@@ -488,12 +506,17 @@ def _batch_size(structure):
     raise ValueError("keras_tpu_mem's engine found no batched tensor in the data.")
 
 
+#: The name of the reshape that splits a batch into micro-batches.
+MICRO_BATCH_SPLIT = "ktm_micro_batch_split"
+
+
 def _split(tensor, num_micro):
     """Reshapes [b, ...] into [num_micro, b / num_micro, ...]."""
     tensor = tf.convert_to_tensor(tensor)
     shape = tf.shape(tensor)
     new_shape = tf.concat([[num_micro, shape[0] // num_micro], shape[1:]], axis=0)
-    return tf.reshape(tensor, new_shape)
+    # Named, so that a feature can recognise this reshape in XLA's error.
+    return tf.reshape(tensor, new_shape, name=MICRO_BATCH_SPLIT)
 
 
 class EngineCallback(keras.callbacks.Callback, Feature):

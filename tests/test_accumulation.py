@@ -176,12 +176,31 @@ class TestBadInput:
                      "multiple of 8", "TPUStrategyWrapper.distribute"):
             assert part in message
 
-    def test_indivisible_last_batch_of_arrays_is_caught_at_run_time(self):
+    @pytest.mark.parametrize("jit", [False, True], ids=["default", "xla"])
+    def test_indivisible_last_batch_of_arrays_is_caught_at_run_time(self, jit):
+        # Under XLA the run-time assertion is dropped and XLA's compilation of the
+        # split fails instead; the error is then explained in the same words.
         x, y = toy_data(102)  # batches of 32, 32, 32 and a last one of 6
         model = mlp()
-        model.compile(optimizer="sgd", loss=sparse_ce())
-        with pytest.raises(tf.errors.InvalidArgumentError, match="does not split evenly"):
+        model.compile(optimizer="sgd", loss=sparse_ce(), jit_compile=jit)
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="GradientAccumulation.steps=4.*does not split evenly"):
             model.fit(x, y, batch_size=32, verbose=0, callbacks=[GradientAccumulation(4)])
+
+    def test_other_step_errors_are_not_relabelled(self):
+        # The micro-batches split evenly (16 and 3 per batch of 32 and 6); the
+        # model's own fixed-size reshape fails on the last one.
+        x, y = toy_data(38)
+        model = keras.Sequential([
+            keras.Input((16,)),
+            keras.layers.Lambda(lambda t: tf.reshape(t, [16, 16])),
+            keras.layers.Dense(5),
+        ])
+        model.compile(optimizer="sgd", loss=sparse_ce(), jit_compile=True)
+        with pytest.raises(tf.errors.InvalidArgumentError) as err:
+            model.fit(x, y, batch_size=32, verbose=0, callbacks=[GradientAccumulation(2)])
+        assert "reshape" in str(err.value).lower()
+        assert "GradientAccumulation" not in str(err.value)
 
     def test_sum_reduction_is_refused(self):
         x, y = toy_data(64)
