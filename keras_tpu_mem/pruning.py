@@ -702,18 +702,24 @@ class Pruning(EngineCallback):
         """Whether the schedule recomputed masks at some step in [1, step].
 
         Walks the steps from 1 and stops at the first that pruned. Our own
-        schedules only prune on `begin_step + j * frequency`, so there it walks
-        those steps only: a run resumed at step 10^6 does not pay 10^6 schedule
-        evaluations when fit starts.
+        schedules prune only on their turns, `begin_step + j * frequency` up to
+        `end_step`, and if any turn prunes with a positive sparsity, the first or
+        the second does (ConstantSparsity: all alike; PolynomialDecay: zero at
+        the first turn only when initial_sparsity is 0, and then positive at
+        every later turn unless final_sparsity is 0 too). So there at most two
+        steps are evaluated, however late a run resumes.
         """
         if step < 1:
             return False
+        first, stride = 1, 1
+        if type(self.schedule) in _OWN_SCHEDULES:
+            stride = self.schedule.frequency
+            first = self.schedule.begin_step or stride  # the first turn >= 1
+            step = min(step, first + stride)
+            if self.schedule.end_step >= 0:
+                step = min(step, self.schedule.end_step)
         if self._started_fn is None:
             structured = self.m_by_n is not None
-            first, stride = 1, 1
-            if type(self.schedule) in _OWN_SCHEDULES:
-                stride = self.schedule.frequency
-                first = self.schedule.begin_step or stride  # the first turn >= 1
 
             @tf.function(autograph=False)
             def started(limit):

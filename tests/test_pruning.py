@@ -905,6 +905,7 @@ def test_a_subclass_schedule_is_asked_not_simplified():
     # sparsity 0 at begin_step: pruning starts at the next turn
     (PolynomialDecay(0.0, 0.8, begin_step=70_000, end_step=90_000, frequency=500), 70_500),
     (PolynomialDecay(0.3, 0.8, begin_step=70_000, end_step=90_000, frequency=500), 70_000),
+    (ConstantSparsity(0.5, begin_step=40, end_step=40, frequency=7), 40),
 ])
 def test_pruning_started_walks_only_the_pruning_turns(schedule, first):
     """Exact at the boundary, and quick far out (only the schedule's turns are visited)."""
@@ -912,3 +913,29 @@ def test_pruning_started_walks_only_the_pruning_turns(schedule, first):
     assert not pruning._pruning_started(first - 1)
     assert pruning._pruning_started(first)
     assert pruning._pruning_started(10_000_000)
+
+
+@pytest.mark.parametrize("schedule", [
+    ConstantSparsity(0.0, begin_step=0),
+    PolynomialDecay(0.0, 0.0, begin_step=10, end_step=5000, frequency=3),
+])
+def test_pruning_never_started_when_sparsity_stays_zero(schedule):
+    assert not Pruning(schedule)._pruning_started(10_000_000)
+
+
+def test_pruning_started_agrees_with_walking_every_step():
+    """The two-turn shortcut equals evaluating the schedule at every step."""
+    schedules = [ConstantSparsity(t, begin_step=b, end_step=e, frequency=f)
+                 for t in (0.0, 0.5) for b in (0, 1, 7) for e in (-1, 7, 30) for f in (1, 4)
+                 if e < 0 or e >= b]
+    schedules += [PolynomialDecay(i, fin, begin_step=b, end_step=e, frequency=f)
+                  for i in (0.0, 0.3) for fin in (0.0, 0.6) for b in (0, 5) for e in (9, 40)
+                  for f in (1, 3, 16)]
+    steps = tf.range(1, 61, dtype=tf.int64)
+    for schedule in schedules:
+        should, sparsity = schedule(steps)
+        prunes = np.logical_and(should.numpy(), sparsity.numpy() > 0)
+        expected = np.logical_or.accumulate(prunes)
+        pruning = Pruning(schedule)
+        got = [pruning._pruning_started(int(s)) for s in steps.numpy()]
+        np.testing.assert_array_equal(got, expected, err_msg=repr(schedule))
