@@ -161,8 +161,8 @@ class GradientAccumulation(EngineCallback):
         # on arrays, whose last batch is smaller): check it there.
         check = tf.debugging.assert_equal(
             per_replica_batch % divisor, 0,
-            message=self._indivisible_message(what, "its size is shown below", replicas,
-                                              divisor),
+            message=self._indivisible_message(what, None, replicas, divisor,
+                                              where="its size is shown below"),
         )
         count = self.steps if size is None else per_replica_batch // size
         with tf.control_dependencies([check]):  # check before the batch is split
@@ -183,21 +183,23 @@ class GradientAccumulation(EngineCallback):
         what, divisor = self._requirement()
         replicas = self.model.distribute_strategy.num_replicas_in_sync
         message = self._indivisible_message(
-            what, "a ragged last batch? XLA's error below gives its number of values",
-            replicas, divisor)
+            what, None, replicas, divisor,
+            where="likely the ragged last batch of arrays; XLA's error below gives its "
+                  "number of values")
         return tf.errors.InvalidArgumentError(
             error.node_def, error.op, f"{message}\n\nXLA's error: {error.message}")
 
     @staticmethod
-    def _indivisible_message(what, batch, replicas, divisor):
-        """`batch`: the per-replica batch size, or a phrase saying where it is shown."""
-        if isinstance(batch, int):
-            batch = f"the per-replica batch of {batch} (global batch {batch * replicas}"
+    def _indivisible_message(what, batch, replicas, divisor, *, where=""):
+        """`batch`: the per-replica batch size, or None where only run time knows it
+        (`where` then says where its size is shown)."""
+        if batch is None:
+            batch = f"a per-replica batch over {replicas} replica(s) ({where})"
         else:
-            batch = f"a per-replica batch ({batch}; global batch ?"
+            batch = (f"the per-replica batch of {batch} (global batch {batch * replicas} "
+                     f"over {replicas} replica(s))")
         return (
-            f"GradientAccumulation({what}): {batch} over {replicas} replica(s)) does not "
-            f"split evenly. Use a global "
+            f"GradientAccumulation({what}): {batch} does not split evenly. Use a global "
             f"batch that is a multiple of {divisor * replicas} and drop the ragged last "
             "batch, e.g. TPUStrategyWrapper.distribute(dataset, global_batch_size=...), "
             "which batches with drop_remainder=True."
