@@ -106,15 +106,18 @@ def _output_layers(model) -> list | None:
         if all(layer is not f for f in found):
             found.append(layer)
 
+    def add_outputs_of(container) -> bool:
+        inner = _output_layers(container)
+        if inner is None:
+            return False
+        for f in inner:
+            add(f)
+        return True
+
     def from_sequential(seq) -> bool:
         for layer in reversed([lay for lay in seq.layers if not _input_layer(lay)]):
             if _graph_container(layer):
-                inner = _output_layers(layer)
-                if inner is None:
-                    return False
-                for f in inner:
-                    add(f)
-                return True
+                return add_outputs_of(layer)
             add(layer)
             if layer.weights or _sublayers(layer):
                 return True
@@ -128,12 +131,7 @@ def _output_layers(model) -> list | None:
         if _input_layer(op):
             return True
         if _graph_container(op):
-            inner = _output_layers(op)
-            if inner is None:
-                return False
-            for f in inner:
-                add(f)
-            return True
+            return add_outputs_of(op)
         is_layer = isinstance(op, keras.layers.Layer)
         if is_layer:
             add(op)
