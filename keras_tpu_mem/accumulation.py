@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int, logger
 from keras_tpu_mem.engine import EngineCallback
 
@@ -129,7 +130,7 @@ class GradientAccumulation(EngineCallback):
             )
         has_bn = any(
             isinstance(layer, keras.layers.BatchNormalization)
-            for layer in model._flatten_layers(include_self=False)
+            for layer in keras_compat.flatten_layers(model, include_self=False)
         )
         if has_bn and not getattr(self, "_warned_bn", False):
             self._warned_bn = True

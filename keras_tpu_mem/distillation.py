@@ -33,6 +33,7 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.engine import EngineCallback
 
@@ -209,14 +210,14 @@ def _regularization_loss(model):
     None too when the model overrides `compute_loss`: its total cannot be split,
     so all of it is weighted by `1 - alpha`.
     """
-    from keras_tpu_mem.engine import _overrides
+    from keras_tpu_mem.engine import overrides
 
-    if _overrides(model, "compute_loss"):
+    if overrides(model, "compute_loss"):
         return None
     losses = model.losses
     if not losses:
         return None
-    return tf.add_n([tf.cast(model._aggregate_additional_loss(loss), tf.float32)
+    return tf.add_n([tf.cast(keras_compat.aggregate_additional_loss(model, loss), tf.float32)
                      for loss in losses])
 
 
@@ -449,8 +450,6 @@ class Distillation(EngineCallback):
         return data, {}
 
     def transform_loss(self, loss, ctx):
-        from keras.src.losses.loss import reduce_weighted_values
-
         student = _single_output(ctx.y_pred, "a student")
         classes = student.shape[-1]
         temperature, alpha = self._variables
@@ -475,8 +474,8 @@ class Distillation(EngineCallback):
         mask = getattr(student, "_keras_mask", None)
         # Keras' own reduction: sample weights and mask apply, divided by the
         # number of examples, then by the number of replicas.
-        term = reduce_weighted_values(kl, sample_weight=ctx.sample_weight, mask=mask,
-                                      reduction="sum_over_batch_size", dtype="float32")
+        term = keras_compat.reduce_weighted_values(kl, sample_weight=ctx.sample_weight, mask=mask,
+                                                  reduction="sum_over_batch_size", dtype="float32")
         alpha = tf.cast(alpha.value, tf.float32)
         term = alpha * tf.square(tf.cast(temperature.value, tf.float32)) * term
         # Regularisation losses (kernel_regularizer, add_loss) keep their full
@@ -687,8 +686,6 @@ def cache_teacher_logits(teacher, dataset, *, top_k: int | None = None,
                 "(the cache is never overwritten)."
             )
         tf.io.gfile.makedirs(path)
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
     strategy = (tf.distribute.get_strategy() if tf.distribute.has_strategy()
                 else teacher.distribute_strategy)
     run = _teacher_runner(teacher, strategy, top_k)
@@ -704,7 +701,7 @@ def cache_teacher_logits(teacher, dataset, *, top_k: int | None = None,
         pending, pending_bytes = [], 0
 
     for batch in dataset:
-        x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(batch)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
         logits = run(x)
         element = (_numpy_structure(batch), logits)
         total += len(next(iter(logits.values())))
@@ -810,7 +807,7 @@ def prepare_student(student, dataset) -> None:
         )
     batch = next(iter(strip_teacher_logits(dataset).take(1)))
     with student.distribute_strategy.scope():
-        student._symbolic_build(data_batch=batch)
+        keras_compat.symbolic_build(student, batch)
 
 
 __all__ = [

@@ -35,6 +35,7 @@ import dataclasses
 
 import keras
 
+from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.engine import EngineCallback
 
@@ -50,9 +51,7 @@ _SWITCHABLE = ("float32", "mixed_float16", "mixed_bfloat16")
 # ------------------------------------------------------------------ helpers
 def _graph_container(layer) -> bool:
     """Functional and Sequential models: their policy does not cast anything."""
-    from keras.src.models.functional import Functional
-
-    return isinstance(layer, (Functional, keras.Sequential))
+    return isinstance(layer, (keras_compat.functional_class(), keras.Sequential))
 
 
 def _input_layer(layer) -> bool:
@@ -60,13 +59,13 @@ def _input_layer(layer) -> bool:
 
 
 def _sublayers(layer) -> list:
-    return [sub for sub in layer._flatten_layers(include_self=False, recursive=True)
+    return [sub for sub in keras_compat.flatten_layers(layer, include_self=False)
             if not _input_layer(sub)]
 
 
 def _all_layers(model) -> list:
     """Every layer of the model, depth first, the model itself first."""
-    return [layer for layer in model._flatten_layers(include_self=True, recursive=True)
+    return [layer for layer in keras_compat.flatten_layers(model, include_self=True)
             if not _input_layer(layer)]
 
 
@@ -76,10 +75,8 @@ def _policy_name(layer) -> str:
 
 def _switchable(layer) -> str | None:
     """None if we may switch the layer's policy, else why not."""
-    from keras.src.dtype_policies.dtype_policy_map import DTypePolicyMap
-
     policy = layer.dtype_policy
-    if isinstance(policy, DTypePolicyMap):
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
         return "DTypePolicyMap"
     if getattr(policy, "quantization_mode", None) is not None:
         return f"quantized ({_policy_name(layer)})"
@@ -98,8 +95,6 @@ def _output_layers(model) -> list | None:
     path contribute their own output layers. Subclassed models have no graph
     to read: None.
     """
-    from keras.src.models.functional import Functional
-
     found: list = []
 
     def add(layer):
@@ -137,7 +132,7 @@ def _output_layers(model) -> list | None:
             add(op)
             if op.weights or _sublayers(op):
                 return True
-        node = op._inbound_nodes[history.node_index]
+        node = keras_compat.inbound_node(op, history.node_index)
         inputs = list(node.input_tensors)
         if is_layer and len(inputs) != 1:
             return True  # Add/Concatenate cast their own inputs to their policy
@@ -145,7 +140,7 @@ def _output_layers(model) -> list | None:
 
     if isinstance(model, keras.Sequential):
         return found if from_sequential(model) else None
-    if isinstance(model, Functional):
+    if isinstance(model, keras_compat.functional_class()):
         ok = all(from_tensor(t) for t in keras.tree.flatten(model.outputs))
         return found if ok else None
     return None
@@ -322,12 +317,10 @@ def _log_device_notice(strategy) -> None:
 
 # --------------------------------------------------- the float32 output layer
 def _is_float(tensor, dtype=None) -> bool:
-    from keras.src import backend
-
-    if not hasattr(tensor, "dtype") or not backend.is_tensor(tensor):
+    if not hasattr(tensor, "dtype") or not keras.ops.is_tensor(tensor):
         return False
-    name = backend.standardize_dtype(tensor.dtype)
-    return backend.is_float_dtype(name) and (dtype is None or name == dtype)
+    name = keras.backend.standardize_dtype(tensor.dtype)
+    return keras.backend.is_float_dtype(name) and (dtype is None or name == dtype)
 
 
 def _join(exact, low):
@@ -354,19 +347,19 @@ class _Float32Forward:
     def __init__(self, layer):
         self.layer = layer
         self.original = layer.__dict__.get("call")
-        self.convert = layer._convert_input_args
+        self.convert = keras_compat.convert_input_args(layer)
         self.call = layer.call
 
     def install(self):
         layer = self.layer
         # Keras would cast the bfloat16 input to float32 before `call`; we cast
         # ourselves, so the bfloat16 tensor reaches the bfloat16 pass.
-        layer._convert_input_args = False
+        keras_compat.set_convert_input_args(layer, False)
         object.__setattr__(layer, "call", self)
 
     def uninstall(self):
         layer = self.layer
-        layer._convert_input_args = self.convert
+        keras_compat.set_convert_input_args(layer, self.convert)
         if self.original is None:
             layer.__dict__.pop("call", None)
         else:
@@ -374,29 +367,24 @@ class _Float32Forward:
 
     def _cast(self, structure, dtype):
         """What Keras' `__call__` does to the inputs, to `dtype` (floats only)."""
-        from keras.src import backend, tree
-
         policy = self.layer.dtype_policy
 
         def convert(x):
-            if backend.is_tensor(x) or (hasattr(x, "__array__") and hasattr(x, "dtype")):
+            if keras.ops.is_tensor(x) or (hasattr(x, "__array__") and hasattr(x, "dtype")):
                 return policy.convert_input(x, self.layer.autocast, dtype)
             return x
 
-        return tree.map_structure(convert, structure)
+        return keras.tree.map_structure(convert, structure)
 
     def __call__(self, *args, **kwargs):
-        from keras.src import tree
-        from keras.src.backend.common.variables import AutocastScope
-
         exact_args, exact_kwargs = self._cast((args, kwargs), self.layer.compute_dtype)
         exact = self.call(*exact_args, **exact_kwargs)
-        if not any(_is_float(x, "bfloat16") for x in tree.flatten((args, kwargs))):
+        if not any(_is_float(x, "bfloat16") for x in keras.tree.flatten((args, kwargs))):
             return exact
         low_args, low_kwargs = self._cast((args, kwargs), "bfloat16")
-        with AutocastScope("bfloat16"):
+        with keras_compat.autocast_scope("bfloat16"):
             low = self.call(*low_args, **low_kwargs)
-        return tree.map_structure(_join, exact, low)
+        return keras.tree.map_structure(_join, exact, low)
 
 
 def _straight_through_ok(layer) -> bool:
@@ -594,9 +582,7 @@ class MixedBFloat16(EngineCallback):
     def transform_loss(self, loss, ctx):
         # Runs at trace time: the one place where the model's real output dtype
         # is visible, whatever the model's kind.
-        from keras.src import tree
-
-        low = [t for t in tree.flatten(ctx.y_pred) if _is_float(t) and
+        low = [t for t in keras.tree.flatten(ctx.y_pred) if _is_float(t) and
                keras.backend.standardize_dtype(t.dtype) in _LOW_PRECISION]
         if low:
             why = ("" if self._outputs_known else

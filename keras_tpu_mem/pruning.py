@@ -46,6 +46,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.engine import EngineCallback, update_variable
 from keras_tpu_mem.pruning_schedules import (
@@ -151,7 +152,7 @@ def _layer_weights(layer) -> list[tuple[object, int, str]]:
 
 
 def _all_layers(model):
-    return list(model._flatten_layers(include_self=False, recursive=True))
+    return keras_compat.flatten_layers(model, include_self=False, recursive=True)
 
 
 def _normalise_selection(layers):
@@ -194,7 +195,7 @@ def _select_layers(model, selection):
         for hit in hits:
             chosen.append(hit)
             # A selected block (e.g. MultiHeadAttention) brings its sublayers.
-            chosen.extend(hit._flatten_layers(include_self=False, recursive=True))
+            chosen.extend(keras_compat.flatten_layers(hit, include_self=False, recursive=True))
     if unmatched:
         names = ", ".join(repr(layer.name) for layer in all_layers[:20])
         raise ValueError(
@@ -228,7 +229,7 @@ def find_prunable_weights(model, layers=None) -> list[_Weight]:
                 empty = [layer for layer in chosen if layer.name == item
                          and id(layer) not in selected_with_weights
                          and not any(id(sub) in selected_with_weights for sub in
-                                     layer._flatten_layers(include_self=False))]
+                                     keras_compat.flatten_layers(layer, include_self=False))]
                 if empty:
                     raise ValueError(
                         f"Layer {item!r} ({type(empty[0]).__name__}) has no prunable "

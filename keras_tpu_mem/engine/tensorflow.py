@@ -1,0 +1,288 @@
+"""The TensorFlow engine: the composable step under tf.distribute.
+
+`engine/core.py` holds what is backend-neutral (features, registration,
+lifetime); this module builds the step on TensorFlow:
+
+* one replica's step (`_replica_step`): forward pass and loss inside a
+  `tf.GradientTape`, feature loss terms, one `apply_gradients`, the features'
+  after-update hooks;
+* **micro-batching**: the replica's batch is split into equal slices, run
+  one after another inside a `tf.while_loop` (`parallel_iterations=1`, so only
+  one slice's activations are alive), gradients summed locally, applied once;
+* **the multi-step loop**: with `steps_per_execution = N` the engine owns the
+  loop that runs N steps per call: a `tf.while_loop` of `strategy.run` calls
+  (the pattern of TensorFlow's custom-training-loop guides) followed by one
+  last step whose metrics are returned. Keras' own loop fails under
+  MirroredStrategy (keras-team/keras#19246); this one works under every
+  strategy. The step count of each call comes from the epoch's position (the
+  last call of an epoch runs the remainder), which every engine callback
+  reports in `on_train_batch_begin`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+
+from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem._compat import tensorflow as tf_compat
+from keras_tpu_mem.engine import MICRO_BATCH_SPLIT
+from keras_tpu_mem.engine.core import StepContext, unscale_for_replicas
+
+
+def update_variable(variable, fn, *args):
+    """Updates a model variable from inside the step, consistently on every replica.
+
+    For `after_update` hooks: under a multi-replica strategy a replica may not
+    assign a mirrored variable directly. This does what Keras' optimizer does:
+    a merge call, then `fn(per_device_variable, *per_device_args)` on every
+    device. `fn` must assign and may return the assign op. Args that are
+    per-replica tensors arrive as each device's own value.
+
+    Example (inside `after_update`): clip a kernel
+
+    ```python
+    update_variable(layer.kernel, lambda v: v.assign(tf.clip_by_value(v, -1.0, 1.0)))
+    ```
+    """
+    tf_variable = variable.value if isinstance(variable, keras.Variable) else variable
+
+    def merged(strategy, *merged_args):
+        return strategy.extended.update(tf_variable, fn, args=merged_args, group=False)
+
+    return tf_compat.maybe_merge_call(merged, tf.distribute.get_strategy(), *args)
+
+
+class TensorFlowStep:
+    """Builds the TensorFlow train function for an `Engine` (tf.distribute)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.model = engine.model
+
+    @property
+    def features(self):
+        return self.engine.features
+
+    def num_replicas(self) -> int:
+        return self.model.distribute_strategy.num_replicas_in_sync
+
+    def distribution_key(self):
+        return id(self.model.distribute_strategy)
+
+    def global_batch_size_of_call(self, args):
+        """The global batch of a train-function call `(iterator,)`, from its spec."""
+        return _leading_dim(getattr(args[0], "element_spec", None))
+
+    # ------------------------------------------------------------ the step
+    def _forward(self, x, y, sample_weight, extras, num_micro):
+        """Forward pass and loss of one (micro-)batch, inside the caller's tape."""
+        model = self.model
+        if keras_compat.call_has_training_arg(model):
+            y_pred = model(x, training=True)
+        else:
+            y_pred = model(x)
+        loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+        ctx = StepContext(model, x, y, sample_weight, y_pred, extras, num_micro)
+        for feature in self.features:
+            loss = feature.transform_loss(loss, ctx)
+        return y_pred, loss
+
+    def _track(self, x, y, y_pred, sample_weight, loss):
+        """Updates the loss tracker and compiled metrics exactly as Keras' train_step."""
+        model = self.model
+        batch = tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
+        tracker = keras_compat.loss_tracker(model)
+        tracker.update_state(unscale_for_replicas(loss), sample_weight=batch)
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _replica_step(self, data):
+        model = self.model
+        extras = {}
+        for feature in self.features:
+            data, more = feature.split_extras(data)
+            extras.update(more)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        per_replica_batch = _batch_size((x, y, sample_weight, extras))
+        num_micro = self.engine.micro_batch_count(per_replica_batch)
+        if isinstance(num_micro, int) and num_micro == 1:
+            with tf.GradientTape() as tape:
+                y_pred, loss = self._forward(x, y, sample_weight, extras, 1)
+                scaled = model.optimizer.scale_loss(loss) if model.optimizer else loss
+            logs = self._track(x, y, y_pred, sample_weight, loss)
+            grads = tape.gradient(scaled, model.trainable_weights)
+        else:
+            grads = self._accumulated_gradients((x, y, sample_weight, extras), num_micro)
+            logs = model.get_metrics_result()
+        # Read after the forward pass, which builds a lazily built model.
+        trainable = model.trainable_weights
+        if trainable:
+            model.optimizer.apply_gradients(zip(grads, trainable))
+        else:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+        ctx = StepContext(model, x, y, sample_weight, None, extras, num_micro)
+        for feature in self.features:
+            feature.after_update(ctx)
+        return logs
+
+    def _accumulated_gradients(self, batch, num_micro):
+        """Sum of micro-batch gradients, one micro-batch alive at a time."""
+        model = self.model
+        structure = tf.nest.map_structure(
+            lambda t: None if t is None else _split(t, num_micro), batch
+        )
+        inv = 1.0 / tf.cast(num_micro, "float32")
+
+        def micro_gradients(index):
+            x, y, sample_weight, extras = tf.nest.map_structure(
+                lambda t: None if t is None else t[index], structure
+            )
+            with tf.GradientTape() as tape:
+                y_pred, loss = self._forward(x, y, sample_weight, extras, num_micro)
+                scaled = model.optimizer.scale_loss(loss * tf.cast(inv, loss.dtype))
+            self._track(x, y, y_pred, sample_weight, loss)
+            grads = tape.gradient(scaled, model.trainable_weights)
+            return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+
+        # Accumulators start at zero for every trainable weight. Which weights
+        # get no gradient at all (None, as in Keras' own step) is learnt while
+        # the loop body is traced, and those stay None for the optimizer.
+        # (Peeling the first micro-batch out of the loop would give the same
+        # answer, but lets the runtime overlap it with the loop's first
+        # iteration, and XLA folds a one-iteration loop into it: two
+        # micro-batches alive at once.)
+        if not all(layer.built for layer in keras_compat.flatten_layers(model)):
+            # A model built outside any strategy scope is built lazily, when the
+            # step is first traced (as Keras' own step does by calling it). The
+            # accumulators need its weights first: call it once on the first
+            # micro-batch. That call is pure (training=False) and its result is
+            # unused, so it is pruned from the step that runs.
+            first_x = tf.nest.map_structure(lambda t: t[0], structure[0])
+            model(first_x, training=False)
+        trainable = model.trainable_weights
+        connected = []
+
+        def body(index, *sums):
+            grads = micro_gradients(index)
+            if not connected:
+                connected.extend(g is not None for g in grads)
+            grads = [tf.zeros_like(s) if g is None else tf.cast(g, s.dtype)
+                     for s, g in zip(sums, grads)]
+            return (index + 1, *[s + g for s, g in zip(sums, grads)])
+
+        initial = [tf.zeros(w.shape, dtype=w.dtype) for w in trainable]
+        # parallel_iterations=1: iterations must not overlap, or several
+        # micro-batches' activations would be alive at once.
+        _, *sums = tf.while_loop(
+            lambda index, *sums: index < num_micro,
+            body,
+            (tf.constant(0), *initial),
+            parallel_iterations=1,
+        )
+        return [s if c else None for s, c in zip(sums, connected)]
+
+    # -------------------------------------------------- the train function
+    def build_train_function(self) -> Callable:
+        model = self.model
+        strategy = model.distribute_strategy
+
+        replica_step = tf.autograph.experimental.do_not_convert(self._replica_step)
+
+        @tf.autograph.experimental.do_not_convert
+        def one_step(data):
+            outputs = strategy.run(replica_step, args=(data,))
+            return tf_compat.reduce_per_replica(outputs, strategy, reduction="auto")
+
+        if not model.run_eagerly:
+            one_step = tf.function(one_step, reduce_retracing=True,
+                                   jit_compile=bool(model.jit_compile))
+
+        @tf.autograph.experimental.do_not_convert
+        def multi_step(iterator, count):
+            def body(index):
+                one_step(next(iterator))
+                return index + 1
+
+            tf.while_loop(lambda index: index < count - 1, body, [tf.constant(0)],
+                          parallel_iterations=1)
+            return one_step(next(iterator))
+
+        if not model.run_eagerly:
+            multi_step = tf.function(multi_step, reduce_retracing=True)
+
+        # For data of unknown length Keras' own loop (which stops at the data's
+        # end with `get_next_as_optional`) is the right one on a single replica.
+        keras_loop = tf_compat.make_keras_train_function(model, replica_step)
+        replicas = strategy.num_replicas_in_sync
+
+        def train_function(iterator):
+            try:
+                return run_steps(iterator)
+            except tf.errors.OpError as error:
+                clearer = self.engine.explain(error)
+                if clearer is not None:
+                    raise clearer from error
+                raise
+
+        def run_steps(iterator):
+            count = self.engine.steps_for_this_call()
+            if count is None:
+                if replicas > 1:
+                    raise ValueError(
+                        f"steps_per_execution={model.steps_per_execution} with "
+                        f"{replicas} replicas needs the number of steps per epoch: pass "
+                        "`steps_per_epoch` to fit, or give the dataset a known length "
+                        "(`dataset.apply(tf.data.experimental.assert_cardinality(n))`; "
+                        "`filter` and generators lose it)."
+                    )
+                return keras_loop(iterator)
+            if model.run_eagerly:
+                for _ in range(count - 1):
+                    one_step(next(iterator))
+                return one_step(next(iterator))
+            return multi_step(iterator, tf.constant(count, tf.int32))
+
+        return train_function
+
+
+def _batch_size(structure):
+    """The batch size: a Python int when static, else a scalar tensor."""
+    for tensor in tf.nest.flatten(structure):
+        if tensor is not None and hasattr(tensor, "shape") and tensor.shape.rank:
+            static = tensor.shape[0]
+            return int(static) if static is not None else tf.shape(tensor)[0]
+    raise ValueError("keras_tpu_mem's engine found no batched tensor in the data.")
+
+
+
+
+def _split(tensor, num_micro):
+    """Reshapes [b, ...] into [num_micro, b / num_micro, ...]."""
+    tensor = tf.convert_to_tensor(tensor)
+    shape = tf.shape(tensor)
+    new_shape = tf.concat([[num_micro, shape[0] // num_micro], shape[1:]], axis=0)
+    # Named, so that a feature can recognise this reshape in XLA's error.
+    return tf.reshape(tensor, new_shape, name=MICRO_BATCH_SPLIT)
+
+
+def _leading_dim(element) -> int | None:
+    """Samples in one (possibly per-replica) batch element or spec, or None if not static."""
+    leaf = tf.nest.flatten(element)[0] if element is not None else None
+    if leaf is None:
+        return None
+    shape = getattr(leaf, "shape", None)
+    if shape is None:
+        # A PerReplicaSpec (distributed iterator) or a PerReplica value: the
+        # global batch is the sum of the replicas' batches.
+        parts = tf_compat.per_replica_parts(leaf)
+        if not parts:
+            return None
+        sizes = [_leading_dim(part) for part in parts]
+        return None if any(s is None for s in sizes) else sum(sizes)
+    if shape.rank is None or shape.rank == 0:
+        return None
+    dim = shape[0]
+    return None if dim is None else int(dim)
