@@ -19,6 +19,14 @@ registration points (all optional, all methods of `Feature`):
   say *how many*, each backend's engine says *how* (a `tf.while_loop` on
   TensorFlow, a `lax.scan` on JAX), sums the gradients locally and applies
   them **once**.
+* **`batches_per_update() -> int | None`** – Keras' accumulation convention:
+  the dataset yields micro-batches and this many of them make one update.
+  The engine pulls them one at a time from the iterator, sums their
+  gradients in local accumulators and applies once, with no conditional in
+  the step (which call applies is known before it runs). Keras' step counting
+  (progress bar, `steps_per_epoch`, callbacks' batch indices,
+  `steps_per_execution`) stays in micro-batches; `optimizer.iterations` and
+  learning-rate schedules count updates.
 * **`transform_loss(loss, ctx) -> loss`** – extra loss terms (distillation).
   `loss` is the compiled loss already scaled for the number of replicas, as
   Keras scales it; anything added must be scaled the same way
@@ -141,6 +149,10 @@ class Feature:
         """Micro-batch count for a per-replica batch, or None for no micro-batching."""
         return None
 
+    def batches_per_update(self) -> int | None:
+        """Dataset batches (micro-batches) per optimizer update, or None."""
+        return None
+
     def transform_loss(self, loss, ctx: StepContext):
         """Returns the loss to differentiate; `loss` is replica-scaled."""
         return loss
@@ -193,8 +205,14 @@ class _FirstCallObserver:
             model.train_function = self.inner
         observers, self.engine._observers = self.engine._observers, []
         size = None
+        step = self.engine.backend_step
         try:
-            size = self.engine.backend_step.global_batch_size_of_call(args)
+            # On JAX the call's data is an iterator: reading the first batch
+            # consumes it, so the step hands back args that yield it again.
+            if hasattr(step, "peek_first_call"):
+                size, args = step.peek_first_call(args)
+            else:
+                size = step.global_batch_size_of_call(args)
         except Exception as err:  # the observation must never break training
             logger.debug("could not read the batch size of the first step: %s", err)
         for fn in observers:
@@ -220,6 +238,7 @@ class Engine:
         self._steps_per_epoch: int | None = None
         self._cache = None
         self._observers: list[Callable] = []
+        self._window_position = 0
         self.num_builds = 0
         if self.backend == "tensorflow":
             from keras_tpu_mem.engine.tensorflow import TensorFlowStep as step_class
@@ -302,6 +321,7 @@ class Engine:
                 model.train_function = model.__dict__["train_function"].inner
             return type(model).make_train_function(model, force=force)
         self.features = features
+        self._window_position = 0
         for feature in features:
             feature.install(model)
         self._check_compatible()
@@ -343,7 +363,9 @@ class Engine:
 
     # -------------------------------------------------------------- checks
     def _check_compatible(self) -> None:
-        counts = [f for f in self.features if type(f).micro_batches is not Feature.micro_batches]
+        counts = [f for f in self.features
+                  if type(f).micro_batches is not Feature.micro_batches
+                  or type(f).batches_per_update is not Feature.batches_per_update]
         if len(counts) > 1:
             names = ", ".join(type(f).__name__ for f in counts)
             raise ValueError(f"Only one micro-batching feature per fit, got: {names}.")
@@ -356,6 +378,18 @@ class Engine:
             if count is not None:
                 return count
         return 1
+
+    def batches_per_update(self) -> int:
+        """Dataset batches per update (1 unless a feature pulls micro-batches)."""
+        for feature in self.features:
+            count = feature.batches_per_update()
+            if count is not None:
+                return count
+        return 1
+
+    def pending_micro_batches(self) -> int:
+        """Micro-batches pulled since the last update (0 at a window's end)."""
+        return self._window_position
 
     def explain(self, error: Exception) -> Exception | None:
         """The first feature's clearer exception for a step error, or None."""

@@ -184,10 +184,174 @@ class TensorFlowStep:
         )
         return [s if c else None for s, c in zip(sums, connected)]
 
+    # ------------------------------------- micro-batches pulled from the data
+    def _pulled_micro_step(self, data, apply: bool, accumulators, k: int):
+        """One micro-batch of Keras' accumulation convention, on one replica.
+
+        Adds this micro-batch's gradient (of its loss / k) to the replica's
+        local accumulators; with `apply`, the last micro-batch of a window,
+        applies the sum once (one all-reduce) and zeroes the accumulators.
+        """
+        model = self.model
+        extras = {}
+        for feature in self.features:
+            data, more = feature.split_extras(data)
+            extras.update(more)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred, loss = self._forward(x, y, sample_weight, extras, k)
+            scaled = model.optimizer.scale_loss(loss * tf.cast(1.0 / k, loss.dtype))
+        logs = self._track(x, y, y_pred, sample_weight, loss)
+        trainable = model.trainable_weights
+        grads = tape.gradient(scaled, trainable)
+        if not apply:
+            for acc, grad in zip(accumulators, grads):
+                if grad is not None:
+                    acc.assign_add(tf.cast(grad, acc.dtype))
+            return logs
+        total = [None if g is None else tf.convert_to_tensor(acc) + tf.cast(g, acc.dtype)
+                 for acc, g in zip(accumulators, grads)]
+        if trainable:
+            model.optimizer.apply_gradients(zip(total, trainable))
+        for acc in accumulators:
+            acc.assign(tf.zeros_like(acc))
+        ctx = StepContext(model, x, y, sample_weight, None, extras, k)
+        for feature in self.features:
+            feature.after_update(ctx)
+        return logs
+
+    def _make_accumulators(self, strategy):
+        """One local (per-replica) zero accumulator per trainable weight.
+
+        ON_READ variables: each replica adds into its own copy, and nothing is
+        reduced until the optimizer's all-reduce of the applied sum. They are
+        transient (zero at every window's end, and windows never span an
+        epoch), so they are not part of checkpoints.
+        """
+        model = self.model
+        if not model.built or not model.trainable_weights:
+            raise ValueError(
+                "GradientAccumulation(dataset_yields='micro_batches') needs a built model: "
+                "build it (an `Input` layer, or call it once on a batch) before `fit`."
+            )
+        with strategy.scope():
+            return [tf.Variable(tf.zeros(w.shape, w.dtype), trainable=False,
+                                synchronization=tf.VariableSynchronization.ON_READ,
+                                aggregation=tf.VariableAggregation.SUM,
+                                name="ktm_accumulator")
+                    for w in model.trainable_weights]
+
+    def _build_pulled_train_function(self, k: int) -> Callable:
+        model = self.model
+        strategy = model.distribute_strategy
+        spe = int(model.steps_per_execution)
+        if spe % k and k % spe:
+            raise ValueError(
+                f"GradientAccumulation(steps={k}, dataset_yields='micro_batches') with "
+                f"steps_per_execution={spe}: one must divide the other (steps_per_execution "
+                "counts micro-batches here, Keras' unit), e.g. steps_per_execution="
+                f"{k} or {2 * k}."
+            )
+        accumulators = self._make_accumulators(strategy)
+
+        def replica_fn(apply):
+            fn = lambda data: self._pulled_micro_step(data, apply, accumulators, k)  # noqa: E731
+            return tf.autograph.experimental.do_not_convert(fn)
+
+        def step_fn(apply):
+            replica = replica_fn(apply)
+
+            @tf.autograph.experimental.do_not_convert
+            def step(data):
+                outputs = strategy.run(replica, args=(data,))
+                return tf_compat.reduce_per_replica(outputs, strategy, reduction="auto")
+
+            if model.run_eagerly:
+                return step
+            # As in the plain step: the replica step is what XLA compiles.
+            return tf.function(step, reduce_retracing=True, jit_compile=bool(model.jit_compile))
+
+        steps = {False: step_fn(False), True: step_fn(True)}
+        accumulate_replica, apply_replica = False, True
+
+        def run(apply, data):
+            return steps[apply](data)
+
+        def repeat(count, body):
+            if count <= 0:
+                return
+            if model.run_eagerly:
+                for _ in range(count):
+                    body()
+                return
+            tf.while_loop(lambda i: i < count, lambda i: (body(), i + 1)[1], [tf.constant(0)],
+                          parallel_iterations=1)
+
+        def program(iterator, lead, windows, final_apply):
+            """`lead` accumulating micro-steps, then `windows` whole windows, then
+            (if `final_apply`) the applying step: the static shape of one call."""
+            repeat(lead, lambda: run(accumulate_replica, next(iterator)))
+            if windows:
+                def window():
+                    repeat(k - 1, lambda: run(accumulate_replica, next(iterator)))
+                    run(apply_replica, next(iterator))
+
+                repeat(windows - 1, window)
+                repeat(k - 1, lambda: run(accumulate_replica, next(iterator)))
+                return run(apply_replica, next(iterator))
+            if final_apply:
+                return run(apply_replica, next(iterator))
+            return run(accumulate_replica, next(iterator))
+
+        traced: dict = {}
+
+        def compiled(shape):
+            if shape not in traced:
+                fn = lambda iterator: program(iterator, *shape)  # noqa: E731
+                fn = tf.autograph.experimental.do_not_convert(fn)
+                if not model.run_eagerly:
+                    fn = tf.function(fn, jit_compile=False)
+                traced[shape] = fn
+            return traced[shape]
+
+        engine = self.engine
+
+        def train_function(iterator):
+            count = engine.steps_for_this_call() or 1
+            phase = engine._window_position
+            end = phase + count
+            if phase == 0 and count % k == 0:
+                shape = (0, count // k, False)      # whole windows
+            elif end <= k:
+                # Inside one window (k a multiple of steps_per_execution).
+                apply = end == k
+                shape = (count - 1, 0, True) if apply else (count - 1, 0, False)
+            else:
+                raise ValueError(
+                    f"GradientAccumulation(steps={k}, dataset_yields='micro_batches'): a "
+                    f"call of {count} micro-batches starting at position {phase} of a window "
+                    "would span two updates; use a steps_per_execution that divides or is a "
+                    "multiple of steps."
+                )
+            try:
+                logs = compiled(shape)(iterator)
+            except tf.errors.OpError as error:
+                clearer = engine.explain(error)
+                if clearer is not None:
+                    raise clearer from error
+                raise
+            engine._window_position = end % k
+            return logs
+
+        return train_function
+
     # -------------------------------------------------- the train function
     def build_train_function(self) -> Callable:
         model = self.model
         strategy = model.distribute_strategy
+        pulled = self.engine.batches_per_update()
+        if pulled > 1:
+            return self._build_pulled_train_function(pulled)
 
         replica_step = tf.autograph.experimental.do_not_convert(self._replica_step)
 
