@@ -249,3 +249,130 @@ def test_mixed_bfloat16_policy():
     # bf16 rounds each micro-batch's matmuls differently: close, not bit-equal
     # (measured 8e-5; a wrong 1/k weighting would be off by the learning rate).
     assert max_abs_diff(models[0].get_weights(), models[1].get_weights()) <= 1e-3
+
+
+# ------------------------------------------- dataset_yields="micro_batches"
+MICRO = 8  # micro-batch size; 4 of them make the global batch of 32
+
+
+def _fit_micro(strategy, *, jit=False, spe=1, steps=4, epochs=1, callbacks=(), x=None, y=None,
+               optimizer="adam"):
+    if x is None:
+        x, y = toy_data(GLOBAL_BATCH * UPDATES)
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer=_optimizer(optimizer), loss=sparse_ce(), metrics=["accuracy"],
+                      jit_compile=jit, steps_per_execution=spe)
+    history = model.fit(batched(x, y, MICRO), epochs=epochs, verbose=0, callbacks=[
+        GradientAccumulation(steps, dataset_yields="micro_batches"), *callbacks])
+    return model, history
+
+
+@pytest.mark.parametrize("case, spe", [("default", 1), ("jit", 1), ("mirrored", 2),
+                                        ("default", 8)])
+def test_micro_batches_equal_full_batch(references, case, spe, request):
+    """Issue 17's floor: 160 examples as micro-batches of 8, steps=4 == plain fit at 32."""
+    from conftest import StrategyCase
+
+    strategy_case = StrategyCase(case)
+    model, history = _fit_micro(strategy_case.strategy, jit=strategy_case.jit_compile, spe=spe)
+    reference, ref_history = references["adam"]
+    assert max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-6
+    assert int(model.optimizer.iterations.numpy()) == UPDATES
+    # The schedule decayed once per update (decay_steps=1, rate 0.5), not per micro-batch.
+    lr = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+    np.testing.assert_allclose(lr, 0.01 * 0.5**UPDATES, rtol=1e-6)
+    # Mean of equal micro-batch losses == the full-batch loss (over the epoch).
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+
+
+def test_micro_batches_count_updates_not_micro_batches():
+    """1 update for a warm-up fit of 8 micro-batches (k=8), then 4 for a fit of 32."""
+    x, y = toy_data(MICRO * 40)
+    with tf.distribute.get_strategy().scope():
+        model = mlp()
+        model.compile(optimizer="sgd", loss=sparse_ce())
+    seen = []
+
+    class Batches(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    accumulate = GradientAccumulation(8, dataset_yields="micro_batches")
+    model.fit(batched(x[:64], y[:64], MICRO), verbose=0, callbacks=[accumulate])
+    assert int(model.optimizer.iterations.numpy()) == 1
+    seen.clear()
+    history = model.fit(batched(x[64:], y[64:], MICRO), verbose=0,
+                        callbacks=[accumulate, Batches()])
+    assert int(model.optimizer.iterations.numpy()) == 1 + 4
+    assert seen == list(range(32))   # Keras' batch indices count micro-batches
+    assert len(history.history["loss"]) == 1
+
+
+def test_micro_batches_partial_window_is_an_error():
+    x, y = toy_data(MICRO * 10)   # 10 micro-batches, k=4
+    with pytest.raises(ValueError, match=r"10 micro-batches, not a multiple of 4"):
+        _fit_micro(tf.distribute.get_strategy(), x=x, y=y)
+
+
+def test_micro_batches_partial_window_of_unknown_length_fails_at_epoch_end():
+    x, y = toy_data(MICRO * 6)
+    dataset = batched(x, y, MICRO).filter(lambda *_: True)  # `filter` loses the length
+    with tf.distribute.get_strategy().scope():
+        model = mlp()
+        model.compile(optimizer="sgd", loss=sparse_ce())
+    with pytest.raises(ValueError, match=r"2 micro-batch\(es\) into a window"):
+        model.fit(dataset, verbose=0,
+                  callbacks=[GradientAccumulation(4, dataset_yields="micro_batches")])
+    assert int(model.optimizer.iterations.numpy()) == 1   # the whole window was applied
+
+
+def test_micro_batches_refuse_steps_per_execution_that_does_not_tile():
+    with pytest.raises(ValueError, match="steps_per_execution=3: one must divide the other"):
+        _fit_micro(tf.distribute.get_strategy(), spe=3)
+
+
+def test_micro_batches_arguments():
+    with pytest.raises(ValueError, match="`dataset_yields` must be one of"):
+        GradientAccumulation(4, dataset_yields="micro")
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        GradientAccumulation(micro_batch_size=8, dataset_yields="micro_batches")
+    config = GradientAccumulation(4, dataset_yields="micro_batches").get_config()
+    assert GradientAccumulation.from_config(config).dataset_yields == "micro_batches"
+
+
+def test_micro_batches_resume_after_interruption(tmp_path):
+    """Windows never span epochs, so a resume at an epoch boundary is exact."""
+    x, y = toy_data(GLOBAL_BATCH * UPDATES)
+    reference, _ = _fit_micro(tf.distribute.get_strategy(), epochs=3, x=x, y=y)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit_micro(tf.distribute.get_strategy(), epochs=3, x=x, y=y,
+                   callbacks=[backup, RaiseAtEpoch(2)])
+    resumed, _ = _fit_micro(tf.distribute.get_strategy(), epochs=3, x=x, y=y,
+                            callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+    assert max_abs_diff(resumed.get_weights(), reference.get_weights()) <= 1e-6
+    assert int(resumed.optimizer.iterations.numpy()) == 3 * UPDATES
+
+
+def test_micro_batches_compose_with_pruning_and_bf16_like_global_batches():
+    """Both accumulation modes give the same training with the other features on."""
+    from keras_tpu_mem import ConstantSparsity, MixedBFloat16, Pruning
+
+    x, y = toy_data(GLOBAL_BATCH * UPDATES)
+
+    def run(mode, batch):
+        with tf.distribute.get_strategy().scope():
+            model = mlp()
+            model.compile(optimizer=_optimizer("adam"), loss=sparse_ce())
+        model.fit(batched(x, y, batch), verbose=0, callbacks=[
+            GradientAccumulation(4, dataset_yields=mode), MixedBFloat16(),
+            Pruning(ConstantSparsity(0.5, begin_step=2, frequency=1))])
+        return model
+
+    micro, full = run("micro_batches", MICRO), run("global_batches", GLOBAL_BATCH)
+    assert int(micro.optimizer.iterations.numpy()) == UPDATES
+    # bf16 compute: the two loops sum the same micro-batch gradients in another order.
+    assert max_abs_diff(micro.get_weights(), full.get_weights()) <= 1e-5
+    kernel = micro.layers[0].kernel.numpy()
+    np.testing.assert_allclose(np.mean(kernel == 0), 0.5, atol=0.01)

@@ -369,6 +369,13 @@ class Engine:
         if len(counts) > 1:
             names = ", ".join(type(f).__name__ for f in counts)
             raise ValueError(f"Only one micro-batching feature per fit, got: {names}.")
+        if self.batches_per_update() > 1 and not getattr(self.backend_step,
+                                                         "pulls_micro_batches", False):
+            raise NotImplementedError(
+                "Micro-batches pulled from the dataset (GradientAccumulation("
+                "dataset_yields='micro_batches')) are not supported by the "
+                f"{self.backend} engine yet; use dataset_yields='global_batches'."
+            )
         check_float16_replicas(self.model, self.backend_step.num_replicas())
 
     # ------------------------------------------------------------ the step

@@ -59,6 +59,9 @@ def update_variable(variable, fn, *args):
 class TensorFlowStep:
     """Builds the TensorFlow train function for an `Engine` (tf.distribute)."""
 
+    #: Supports `Feature.batches_per_update` (Keras' accumulation convention).
+    pulls_micro_batches = True
+
     def __init__(self, engine):
         self.engine = engine
         self.model = engine.model
