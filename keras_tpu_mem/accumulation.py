@@ -28,6 +28,9 @@ def _loss_reductions(loss):
         yield getattr(loss, "reduction", "sum_over_batch_size")
 
 
+_DATASET_YIELDS = ("global_batches", "micro_batches")
+
+
 class GradientAccumulation(EngineCallback):
     """Splits each replica's batch into micro-batches and applies one update.
 
@@ -54,6 +57,19 @@ class GradientAccumulation(EngineCallback):
     (keras-team/keras#20582), advances LR schedules every micro-step and carries
     a partial window across epochs; this callback does none of that.
 
+    **Keras' convention too: `dataset_yields="micro_batches"`.** The dataset
+    yields micro-batches and every `steps` of them make one update, as with
+    `optimizer(gradient_accumulation_steps=steps)` — but with one optimizer
+    call and one all-reduce per update, under every strategy. The global batch
+    never exists in memory (the least memory of all modes). Units: Keras'
+    step counting (progress bar, `steps_per_epoch`, callbacks' batch indices,
+    `steps_per_execution`) counts micro-batches, as in Keras' own
+    accumulation; `optimizer.iterations` and learning-rate schedules count
+    updates. Each epoch's micro-batch count must divide by `steps` (checked at
+    the start of `fit` where the length is known, else at the epoch's end): a
+    partial window is an error, never a silent partial update.
+    `steps_per_execution` must divide or be a multiple of `steps`.
+
     **BatchNormalization** sees micro-batch statistics, as in every
     accumulation scheme; a warning says so once when the model has such layers.
 
@@ -68,6 +84,10 @@ class GradientAccumulation(EngineCallback):
         micro_batch_size: Alternatively, examples per micro-batch on each
             replica; the per-replica batch must be divisible by it. Give exactly
             one of `steps` and `micro_batch_size`.
+        dataset_yields: `"global_batches"` (default: each batch `fit` gets is
+            split in the step) or `"micro_batches"` (Keras' convention: each
+            batch is one micro-batch, `steps` of them make an update; needs
+            `steps`, and a model built before `fit`).
 
     Example:
 
@@ -86,9 +106,23 @@ class GradientAccumulation(EngineCallback):
 
     name = "micro_batching"
     order = 0
+    backends = ("tensorflow", "jax")
 
-    def __init__(self, steps: int | None = None, *, micro_batch_size: int | None = None):
+    def __init__(self, steps: int | None = None, *, micro_batch_size: int | None = None,
+                 dataset_yields: str = "global_batches"):
         super().__init__()
+        if dataset_yields not in _DATASET_YIELDS:
+            raise ValueError(
+                f"`dataset_yields` must be one of {', '.join(map(repr, _DATASET_YIELDS))}; "
+                f"got {dataset_yields!r}."
+            )
+        if dataset_yields == "micro_batches" and micro_batch_size is not None:
+            raise ValueError(
+                "dataset_yields='micro_batches' takes `steps` (micro-batches per update); "
+                "the dataset's batch size is the micro-batch size, so `micro_batch_size` "
+                f"is not accepted (got micro_batch_size={micro_batch_size!r})."
+            )
+        self.dataset_yields = dataset_yields
         if (steps is None) == (micro_batch_size is None):
             raise ValueError(
                 "Give exactly one of `steps` (micro-batches per update) and "
@@ -102,11 +136,13 @@ class GradientAccumulation(EngineCallback):
         )
 
     def get_config(self):
-        return {"steps": self.steps, "micro_batch_size": self.micro_batch_size}
+        return {"steps": self.steps, "micro_batch_size": self.micro_batch_size,
+                "dataset_yields": self.dataset_yields}
 
     @classmethod
     def from_config(cls, config):
-        return cls(config["steps"], micro_batch_size=config["micro_batch_size"])
+        return cls(config["steps"], micro_batch_size=config["micro_batch_size"],
+                   dataset_yields=config.get("dataset_yields", "global_batches"))
 
     # ---------------------------------------------------------------- engine
     def install(self, model):
@@ -147,10 +183,49 @@ class GradientAccumulation(EngineCallback):
             return f"steps={self.steps}", self.steps
         return f"micro_batch_size={size}", size
 
-    def micro_batches(self, per_replica_batch):
-        import tensorflow as tf
+    def _replicas(self) -> int:
+        """Replicas (TensorFlow) or data-parallel shards (JAX) the global batch splits over."""
+        from keras_tpu_mem.engine import Engine
 
-        replicas = self.model.distribute_strategy.num_replicas_in_sync
+        # `self._model`, not the `model` property: on JAX that property syncs
+        # the training state into the model's variables, which must not happen
+        # while the step is traced (Keras would then drop that step's update).
+        return Engine.attach(self._model).backend_step.num_replicas()
+
+    def batches_per_update(self):
+        return self.steps if self.dataset_yields == "micro_batches" else None
+
+    def on_train_begin(self, logs=None):
+        steps = (self.params or {}).get("steps")
+        if self.dataset_yields == "micro_batches" and steps and steps % self.steps:
+            raise ValueError(self._partial_window_message(steps))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.dataset_yields != "micro_batches":
+            return
+        from keras_tpu_mem.engine import Engine
+
+        pending = Engine.attach(self.model).pending_micro_batches()
+        if pending:
+            raise ValueError(self._partial_window_message(None, pending=pending, epoch=epoch))
+
+    def _partial_window_message(self, steps, *, pending=None, epoch=None):
+        if steps is not None:
+            what = f"the epoch has {steps} micro-batches"
+        else:
+            what = (f"epoch {epoch} ended {pending} micro-batch(es) into a window; its "
+                    "gradients were not applied")
+        return (
+            f"GradientAccumulation(steps={self.steps}, dataset_yields='micro_batches'): "
+            f"{what}, not a multiple of {self.steps}, so the last update would be partial. "
+            f"Give each epoch a multiple of {self.steps} micro-batches (`steps_per_epoch`, "
+            "or drop the ragged tail: `dataset.take(n)` / `batch(..., drop_remainder=True)`)."
+        )
+
+    def micro_batches(self, per_replica_batch):
+        if self.dataset_yields == "micro_batches":
+            return None
+        replicas = self._replicas()
         size = self.micro_batch_size
         what, divisor = self._requirement()
         if isinstance(per_replica_batch, int):
@@ -159,7 +234,10 @@ class GradientAccumulation(EngineCallback):
                                                            divisor))
             return self.steps if size is None else per_replica_batch // size
         # The batch size is only known at run time (e.g. `fit(x, y, batch_size=...)`
-        # on arrays, whose last batch is smaller): check it there.
+        # on arrays, whose last batch is smaller): check it there. Only the
+        # TensorFlow engine gets here: on JAX every shape is static.
+        import tensorflow as tf
+
         check = tf.debugging.assert_equal(
             per_replica_batch % divisor, 0,
             message=self._indivisible_message(what, None, replicas, divisor,
@@ -173,6 +251,9 @@ class GradientAccumulation(EngineCallback):
         # Under XLA the run-time check above is dropped: a batch of unknown size
         # (arrays, whose last batch is smaller) that does not split fails in
         # XLA's compilation of the split itself, with a bare reshape error.
+        # (On JAX shapes are static: `micro_batches` raises its own error.)
+        if keras.backend.backend() != "tensorflow":
+            return None
         import tensorflow as tf
 
         from keras_tpu_mem.engine import MICRO_BATCH_SPLIT
@@ -182,7 +263,7 @@ class GradientAccumulation(EngineCallback):
         if MICRO_BATCH_SPLIT not in str(error):
             return None
         what, divisor = self._requirement()
-        replicas = self.model.distribute_strategy.num_replicas_in_sync
+        replicas = self._replicas()
         message = self._indivisible_message(
             what, None, replicas, divisor,
             where="likely the ragged last batch of arrays; XLA's error below gives its "
