@@ -144,29 +144,98 @@ def _owner(variable):
     return None
 
 
-def _check_same_strategy(teacher, student):
-    """The teacher's variables must live where the student's replicas run.
+def _outside(model, owner):
+    """Paths of the model's variables not distributed by `owner` (None: plain variables)."""
+    return [v.path for v in model.weights if _owner(v) is not owner]
 
-    They must be distributed by the same strategy as the student's own
-    variables (or, like them, be plain variables).
+
+def _student_owner(student):
+    """`(True, owner)` when all the student's variables share one owner, else `(False, None)`.
+
+    A student with mixed variables (some made under a strategy, some not) gives
+    nothing sensible to compare a teacher with.
     """
-    student_owners = {id(_owner(v)): _owner(v) for v in student.weights}
-    if len(student_owners) != 1:
-        return  # a student with mixed variables: nothing sensible to compare with
-    expected = next(iter(student_owners.values()))
-    strategy = student.distribute_strategy
-    for variable in teacher.weights:
-        if _owner(variable) is expected:
-            continue
-        raise ValueError(
-            f"The teacher's variable {variable.path!r} was not created under the "
-            f"student's strategy ({type(strategy).__name__}, "
-            f"{strategy.num_replicas_in_sync} replica(s)), so the replicas of the train "
-            "step cannot read it where they run. Create or load the teacher inside the "
-            "same `strategy.scope()` as the student (e.g. `with tpu.scope(): teacher = "
-            "keras.models.load_model(...)`), or cache its logits with "
-            "ktm.cache_teacher_logits and pass teacher=None."
+    owners = {id(_owner(v)): _owner(v) for v in student.weights}
+    if len(owners) != 1:
+        return False, None
+    return True, next(iter(owners.values()))
+
+
+def _describe_strategy(strategy):
+    # The default strategy's class is private (`_DefaultDistributionStrategy`).
+    name = type(strategy).__name__.lstrip("_")
+    return f"{name} ({strategy.num_replicas_in_sync} replica(s))"
+
+
+def _copy_into_strategy(teacher, strategy, owner, *, who, advice):
+    """A frozen copy of `teacher` whose variables are created under `strategy`.
+
+    `keras.models.clone_model` (under `strategy.scope()`) rebuilds the teacher
+    from its config, then its weights are assigned. Sequential and Functional
+    models always clone; a subclassed model clones only through its
+    `get_config()` / `from_config()`. Whatever cannot be cloned into the same
+    variable structure raises: a teacher with other weights than the user's
+    must never be distilled from.
+    """
+    where = _describe_strategy(strategy)
+
+    def cannot(reason):
+        return ValueError(
+            f"{who}: the teacher {teacher.name!r} has variables outside the "
+            f"{where} it must run under (e.g. {_outside(teacher, owner)[0]!r}), and it "
+            f"could not be copied into that strategy: {reason}. {advice}"
         )
+
+    try:
+        with strategy.scope():
+            copy = keras.models.clone_model(teacher)
+            build_config = teacher.get_build_config()
+            if not copy.built and build_config is not None:
+                copy.build_from_config(build_config)
+    except Exception as error:  # whatever clone_model raises: say so, with the cause chained
+        # The cause is also in the message: Keras' traceback filtering drops
+        # `__cause__` when the error leaves `fit`.
+        said = " ".join(str(error).split())
+        said = said if len(said) <= 240 else said[:240] + "..."
+        raise cannot(f"keras.models.clone_model failed ({type(error).__name__}: {said})"
+                     ) from error
+    if not copy.built:
+        raise cannot("its clone is not built and the teacher records no input shape to "
+                     "build it from")
+    source, target = teacher.weights, copy.weights
+    if len(source) != len(target) or any(
+            tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype
+            for a, b in zip(source, target)):
+        raise cannot(
+            f"its clone has {len(target)} variables of other shapes or dtypes than the "
+            f"teacher's {len(source)} (a get_config() that does not describe the model?)")
+    stray = _outside(copy, owner)
+    if stray:
+        raise cannot(f"the clone's variable {stray[0]!r} was not created under the strategy")
+    # Frozen: `trainable=False` is what Keras reads to exclude variables from
+    # training; the step also calls it with training=False under stop_gradient.
+    copy.trainable = False
+    _assign_weights(copy, teacher, strategy)
+    logger.info(
+        "%s: copied the teacher %r (%d variables, %d parameters) into the %s, because "
+        "its variables were created outside that strategy's scope; the copy is frozen "
+        "and runs in inference mode (create or load the teacher under strategy.scope() "
+        "to use it as is).", who, teacher.name, len(source), teacher.count_params(), where)
+    return copy
+
+
+def _assign_weights(copy, teacher, strategy):
+    """Assigns the teacher's current weights to its copy (no new variables).
+
+    Each value is read into host memory before entering `strategy.scope()` (a
+    variable of another strategy is read as that strategy allows), one variable
+    at a time, then assigned in that scope's cross-replica context, which
+    writes every replica's copy.
+    """
+    for target, source in zip(copy.weights, teacher.weights):
+        value = keras.ops.convert_to_numpy(source)
+        with strategy.scope():
+            target.assign(value)
 
 
 # --------------------------------------------------------------------------
@@ -255,10 +324,25 @@ class Distillation(EngineCallback):
     **Teacher.** With a `teacher` model, it runs frozen (`training=False`,
     `tf.stop_gradient`, none of its variables trained; BatchNormalization uses
     its moving statistics) inside the compiled step, on each replica's (micro-)
-    batch. It must be built, output logits of the student's shape, and be
-    created under the same strategy scope as the student. With `teacher=None`
-    the logits come from a dataset made by `cache_teacher_logits` (or
-    `load_teacher_logits`): the teacher takes no memory during training.
+    batch. It must be built and output logits of the student's shape. With
+    `teacher=None` the logits come from a dataset made by `cache_teacher_logits`
+    (or `load_teacher_logits`): the teacher takes no memory during training.
+
+    **A teacher from anywhere.** A teacher created or loaded under the student's
+    strategy scope is used as is. One whose variables live elsewhere (loaded
+    with `keras.models.load_model` before `strategy.scope()`, or trained on the
+    default strategy) is copied into the student's strategy at the first `fit`
+    (`keras.models.clone_model` under `student.distribute_strategy.scope()`,
+    then its weights; frozen; one INFO line on the `keras_tpu_mem` logger), so
+    that its variables live where the replicas run. `self.teacher` stays the
+    model you passed; `step_teacher` is the one the step runs. Later fits of the
+    same callback reuse the copy (no second clone, no new variables) and assign
+    it the teacher's current weights, so a teacher changed between fits is
+    distilled as it is now. The copy costs the teacher's size again, on every
+    replica, for the callback's lifetime; creating the teacher under the scope
+    avoids it. A teacher `clone_model` cannot rebuild with the same variables
+    (a subclassed model without a working `get_config()`) raises a ValueError
+    saying to create or load it under `strategy.scope()`.
 
     **Top-k.** `top_k=k` keeps the teacher's k largest logits: the teacher
     distribution is renormalised over those k classes (zero elsewhere) and the
@@ -340,6 +424,46 @@ class Distillation(EngineCallback):
         self.alpha = None if callable(alpha) else _check_alpha(alpha)
         self._variables = None  # (temperature, alpha) Keras variables, made in install
         self._variables_strategy = None
+        # The model the step runs: the teacher, or its copy under the student's
+        # strategy (set in install). The copy is kept as (teacher, strategy, copy)
+        # so that later fits reuse it instead of cloning again.
+        self._step_teacher = None
+        self._teacher_copy = None
+
+    @property
+    def step_teacher(self):
+        """The model that runs inside the student's step (None before the first fit).
+
+        `teacher` itself when its variables live under the student's strategy;
+        otherwise the frozen copy made there (see the class docstring).
+        """
+        return self._step_teacher
+
+    def _teacher_for(self, student):
+        """The teacher, or its copy under the student's strategy, for this fit."""
+        teacher = self.teacher
+        comparable, owner = _student_owner(student)
+        if not comparable or not _outside(teacher, owner):
+            return teacher  # already where the student's replicas run: used as is
+        # Its variables live elsewhere (made before `strategy.scope()`, or under
+        # another strategy): the replicas would read them across devices at
+        # every step (on a TPU not assumed to work at all). Run a copy made there.
+        strategy = student.distribute_strategy
+        cached = self._teacher_copy
+        if cached is not None and cached[0] is teacher and cached[1] is strategy:
+            # No second clone; the copy takes the teacher's current weights, so a
+            # teacher trained further between two fits is distilled as it is now
+            # (as a teacher under the strategy would be).
+            _assign_weights(cached[2], teacher, strategy)
+            return cached[2]
+        copy = _copy_into_strategy(
+            teacher, strategy, owner, who="Distillation",
+            advice="Create or load the teacher inside the same `strategy.scope()` as the "
+                   "student (e.g. `with tpu.scope(): teacher = keras.models.load_model(...)`)"
+                   ", or cache its logits with ktm.cache_teacher_logits and pass "
+                   "teacher=None.")
+        self._teacher_copy = (teacher, strategy, copy)
+        return copy
 
     # ----------------------------------------------------------- config
     def get_config(self):
@@ -393,7 +517,6 @@ class Distillation(EngineCallback):
                     f"({', '.join(shared[:3])}{', ...' if len(shared) > 3 else ''}); "
                     "Distillation keeps the teacher frozen, so use a separate teacher model."
                 )
-            _check_same_strategy(teacher, model)
             t_classes, s_classes = _output_classes(teacher), _output_classes(model)
             if t_classes is not None and s_classes is not None and t_classes != s_classes:
                 raise ValueError(
@@ -413,6 +536,7 @@ class Distillation(EngineCallback):
                 f"The student's last layer applies {which}: Distillation needs logits. "
                 "Remove the final activation and compile the loss with from_logits=True."
             )
+        self._step_teacher = None if teacher is None else self._teacher_for(model)
         if self._variables is None or self._variables_strategy is not strategy:
             with strategy.scope():
                 self._variables = (
@@ -454,7 +578,7 @@ class Distillation(EngineCallback):
         classes = student.shape[-1]
         temperature, alpha = self._variables
         if self.teacher is not None:
-            teacher = self.teacher(ctx.x, training=False)
+            teacher = self._step_teacher(ctx.x, training=False)
             teacher = tf.stop_gradient(_single_output(teacher, "a teacher"))
             if teacher.shape.as_list()[1:] != student.shape.as_list()[1:]:
                 raise ValueError(
@@ -608,7 +732,9 @@ def cache_teacher_logits(teacher, dataset, *, top_k: int | None = None,
 
     The teacher runs in inference mode (`training=False`) under the current
     strategy (the one whose scope is active, else the teacher's), each batch
-    split over the replicas. Every returned element is `(data, logits)`:
+    split over the replicas. A teacher whose variables live outside the active
+    strategy runs as a copy made under it (as for `Distillation`; logged), kept
+    only while caching. Every returned element is `(data, logits)`:
     `data` is the input element unchanged and `logits` a dict of the teacher's
     float32 logits (all classes, or the `top_k` largest values and their
     indices). Because the logits sit inside each element, shuffling and
@@ -686,8 +812,22 @@ def cache_teacher_logits(teacher, dataset, *, top_k: int | None = None,
                 "(the cache is never overwritten)."
             )
         tf.io.gfile.makedirs(path)
-    strategy = (tf.distribute.get_strategy() if tf.distribute.has_strategy()
-                else teacher.distribute_strategy)
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        if _outside(teacher, strategy):
+            # As for a live teacher: each replica should read variables that
+            # live where it runs. MirroredStrategy on one host's CPUs would
+            # copy a foreign variable to every replica at each read (measured:
+            # it works); a TPU program is not assumed to read host variables
+            # at all (not verified here). So a teacher from elsewhere runs as
+            # a copy made under this strategy, dropped when caching ends.
+            teacher = _copy_into_strategy(
+                teacher, strategy, strategy, who="cache_teacher_logits",
+                advice="Call cache_teacher_logits outside the strategy scope (the teacher "
+                       "then runs on its own strategy), or create or load the teacher "
+                       "under that `strategy.scope()`.")
+    else:
+        strategy = teacher.distribute_strategy
     run = _teacher_runner(teacher, strategy, top_k)
     pending, pending_bytes, parts, total = [], 0, [], 0
 

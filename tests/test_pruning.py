@@ -803,11 +803,23 @@ def test_strip_pruning_predicts_identically_and_round_trips(case, tmp_path):
     stripped = strip_pruning(model)
     assert stripped is not model
     assert [type(layer) for layer in stripped.layers] == [keras.layers.Dense] * 2
-    np.testing.assert_array_equal(stripped.predict(x, verbose=0), model.predict(x, verbose=0))
+    stripped_out = stripped.predict(x, verbose=0)
+    if case == "default":
+        # The same computation (same weights, strategy, batch and kernels): exact.
+        np.testing.assert_array_equal(stripped_out, model.predict(x, verbose=0))
+    else:
+        # The clone is made outside the scope, so it predicts on the default strategy
+        # while the trained model splits each batch over 2 replicas: other GEMM shapes,
+        # so oneDNN sums in another order (measured: 29 of 640 values off by 2.4e-07 on
+        # an AMD EPYC). Equal up to float32 rounding, not bitwise.
+        np.testing.assert_allclose(stripped_out, model.predict(x, verbose=0), rtol=0,
+                                   atol=1e-6)
     path = str(tmp_path / "pruned.keras")
     stripped.save(path)
     loaded = keras.saving.load_model(path, safe_mode=True)
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    # The round trip itself is exact: the loaded model and the one saved run the same
+    # computation on the same (default) strategy, and the weights are the trained ones.
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), stripped_out)
     for got, want in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(got, want)
     assert sparsity_report(loaded).sparsity == pytest.approx(0.6, abs=0.01)
