@@ -8,16 +8,30 @@ Two things live here:
   v3 every TensorCore is its own replica (two per chip, each with half of the
   chip's HBM); from v4 on, the two TensorCores of a chip act as one "megacore"
   replica (v4, v5p), or the chip has one TensorCore (v5e, v6e).
-* Readers that ask TensorFlow's allocator how many bytes a device holds now
-  and at its peak (`tf.config.experimental.get_memory_info`). They return
-  `None` where TensorFlow cannot tell (the CPU allocator with oneDNN off, some
-  plugins), so callers can say "unknown" instead of guessing.
+* Memory readers, each naming its *source*:
+
+  - `"allocator"` (`SOURCE_ALLOCATOR`): the bytes TensorFlow's allocator of a
+    device holds now and at its peak (`tf.config.experimental.get_memory_info`):
+    HBM on a TPU, GPU memory, or the host allocator on CPU;
+  - `"host_rss"` (`SOURCE_HOST_RSS`): the resident memory (RSS) of this whole
+    process, the fallback for a CPU device whose allocator keeps no statistics
+    (TensorFlow's CPU allocator with oneDNN off: the default on CPUs without
+    AVX-512, such as AMD EPYC with AVX2, or `TF_ENABLE_ONEDNN_OPTS=0`). It is a
+    process-wide figure (weights, data, Python, TensorFlow itself), never HBM.
+
+  `read_memory` and `reset_peak` read one source; `memory_source` picks the
+  source that can read a device, and `read_memory_reading` returns a
+  `MemoryReading` that carries it. They return `None` where nothing can tell
+  (a TPU or GPU plugin without statistics), so callers say "unknown" instead
+  of guessing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import threading
 
 GIB = 1024**3
 GB = 1000**3
@@ -151,16 +165,48 @@ def gpu_memory_bytes(device_name: str | None) -> int | None:
     return GPU_MEMORY_BYTES.get(device_name.strip().lower())
 
 
+#: The device's allocator statistics (`tf.config.experimental.get_memory_info`).
+SOURCE_ALLOCATOR = "allocator"
+#: The resident memory of the whole process (psutil; peak from Linux's VmHWM).
+SOURCE_HOST_RSS = "host_rss"
+#: Every source, with the words reports use for it.
+MEMORY_SOURCES = {
+    SOURCE_ALLOCATOR: "allocator",
+    SOURCE_HOST_RSS: "host RSS (whole process, not HBM)",
+}
+
+
+def _check_source(source) -> str:
+    if source not in MEMORY_SOURCES:
+        raise ValueError(
+            f"`source` must be one of {sorted(MEMORY_SOURCES)}, got {source!r}."
+        )
+    return source
+
+
+def describe_source(source: str | None) -> str:
+    """Words for a source in tables and titles: `"allocator"`, `"host RSS (...)"`."""
+    if source is None:
+        return "unreadable"
+    return MEMORY_SOURCES.get(source, str(source))
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryReading:
-    """One device's allocator state.
+    """One device's memory, and where the figures come from.
 
     Attributes:
         device: TensorFlow device string, e.g. `"TPU:0"` or `"CPU:0"`.
-        current_bytes: Bytes allocated now, or `None` if unreadable.
-        peak_bytes: Peak bytes since the last reset, or `None` if unreadable.
+        current_bytes: Bytes in use now, or `None` if unreadable.
+        peak_bytes: Peak bytes since the last reset (or the process start),
+            or `None` if unreadable.
         capacity_bytes: Total memory of the device where known, else `None`.
         shared: True when several replicas share this allocator (logical CPUs).
+        source: `"allocator"` (the device's allocator statistics), `"host_rss"`
+            (the resident memory of the whole process, the fallback for a CPU
+            allocator that keeps no statistics), or `None` when unreadable.
+        process_wide: True for `"host_rss"`: the figure covers the whole
+            process (weights, data, Python, TensorFlow itself), not one device.
     """
 
     device: str
@@ -168,6 +214,8 @@ class MemoryReading:
     peak_bytes: int | None
     capacity_bytes: int | None = None
     shared: bool = False
+    source: str | None = SOURCE_ALLOCATOR
+    process_wide: bool = False
 
     @property
     def readable(self) -> bool:
@@ -192,13 +240,26 @@ def replica_device_names(strategy) -> list[str]:
     return names
 
 
-def read_memory(device: str) -> tuple[int, int] | None:
-    """Returns `(current_bytes, peak_bytes)` for a device, or `None`.
+def is_host_device(device: str) -> bool:
+    """True for a CPU device name (`"CPU:0"`, `"/job:localhost/.../device:CPU:1"`)."""
+    return device.split("device:")[-1].upper().startswith("CPU")
 
-    `None` means TensorFlow cannot read this allocator: on CPU that is the case
-    when oneDNN is off (`TF_ENABLE_ONEDNN_OPTS=0`), because the plain CPU
-    allocator keeps no statistics.
+
+def read_memory(device: str, *, source: str = SOURCE_ALLOCATOR) -> tuple[int, int] | None:
+    """Returns `(current_bytes, peak_bytes)` for a device from one source, or `None`.
+
+    With `source="allocator"` (the default) `None` means TensorFlow cannot
+    read this allocator: on CPU that is the case when oneDNN is off (the
+    default on CPUs without AVX-512, or `TF_ENABLE_ONEDNN_OPTS=0`), because
+    the plain CPU allocator keeps no statistics. `source="host_rss"` reads
+    the whole process's resident memory (`read_host_memory`) whatever
+    `device` is; use it only for the host (see `memory_source`).
+
+    Raises:
+        ValueError: if `source` is not `"allocator"` or `"host_rss"`.
     """
+    if _check_source(source) == SOURCE_HOST_RSS:
+        return read_host_memory()
     import tensorflow as tf
 
     try:
@@ -208,8 +269,18 @@ def read_memory(device: str) -> tuple[int, int] | None:
     return int(info["current"]), int(info["peak"])
 
 
-def reset_peak(device: str) -> bool:
-    """Resets a device's peak counter; returns False where that is unsupported."""
+def reset_peak(device: str, *, source: str = SOURCE_ALLOCATOR) -> bool:
+    """Resets a device's peak counter; returns False where that is unsupported.
+
+    With `source="host_rss"` the peak starts again from the current RSS; the
+    result says whether the OS high-water mark could be reset too (see
+    `reset_host_peak`).
+
+    Raises:
+        ValueError: if `source` is not `"allocator"` or `"host_rss"`.
+    """
+    if _check_source(source) == SOURCE_HOST_RSS:
+        return reset_host_peak()
     import tensorflow as tf
 
     try:
@@ -217,6 +288,160 @@ def reset_peak(device: str) -> bool:
     except (ValueError, RuntimeError, tf.errors.OpError):
         return False
     return True
+
+
+def memory_source(device: str) -> str | None:
+    """The source that can read `device`, or `None` if none can.
+
+    `"allocator"` where its allocator keeps statistics; `"host_rss"` for a CPU
+    device whose allocator keeps none (the host's memory *is* that device's
+    memory, counted for the whole process); `None` for a TPU or GPU without
+    statistics: the host's RSS says nothing about accelerator memory.
+    """
+    if read_memory(device) is not None:
+        return SOURCE_ALLOCATOR
+    if is_host_device(device) and host_memory_readable():
+        return SOURCE_HOST_RSS
+    return None
+
+
+def read_memory_reading(device: str, *, capacity_bytes: int | None = None,
+                        shared: bool = False, source: str | None = None) -> MemoryReading:
+    """Reads `device` into a `MemoryReading` that names its source.
+
+    Args:
+        device: A TensorFlow device name, e.g. `"CPU:0"`, `"TPU:3"`.
+        capacity_bytes: The device's capacity where known (copied into the
+            reading; `None` for the host RSS, which has no HBM capacity).
+        shared: Whether several replicas share this device's allocator.
+        source: `None` picks one (`memory_source`); else `"allocator"` or
+            `"host_rss"`.
+
+    Example:
+
+    ```python
+    from keras_tpu_mem import devices
+
+    reading = devices.read_memory_reading("CPU:0", shared=True)
+    print(reading.source, devices.format_bytes(reading.peak_bytes))
+    ```
+    """
+    source = memory_source(device) if source is None else _check_source(source)
+    value = read_memory(device, source=source) if source is not None else None
+    if value is None:
+        return MemoryReading(device, None, None, capacity_bytes, shared, None, False)
+    host = source == SOURCE_HOST_RSS
+    return MemoryReading(device, value[0], value[1], None if host else capacity_bytes,
+                         shared, source, host)
+
+
+# ------------------------------------------------------------------ host RSS
+# psutil reads the resident set size on every platform it supports; Linux's
+# /proc/self/status adds VmHWM, the kernel's own high-water mark of it, which
+# catches a peak inside a step that a reading between steps misses. Writing
+# "5" to /proc/self/clear_refs (Linux 4.0+) resets VmHWM to the current RSS,
+# which is what makes it a per-phase peak rather than one since process start.
+_STATUS_PATH = "/proc/self/status"
+_CLEAR_REFS_PATH = "/proc/self/clear_refs"
+
+
+class _HostPeak:
+    """Process-wide host-RSS peak state (like an allocator's peak counter)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.seen: int | None = None  # highest RSS read since the last reset
+        # None: never reset, so VmHWM counts from the process start (like an
+        # allocator's peak before its first reset); True/False: the last reset
+        # did / did not reset VmHWM too.
+        self.hwm_reset: bool | None = None
+        self.process = None
+        self.pid = None
+
+
+_HOST = _HostPeak()
+
+
+def _process():
+    import psutil
+
+    pid = os.getpid()
+    if _HOST.pid != pid:  # after a fork the cached Process names the parent
+        _HOST.process, _HOST.pid = psutil.Process(pid), pid
+    return _HOST.process
+
+
+def host_rss_bytes() -> int:
+    """The resident set size of this process, in bytes (psutil)."""
+    return int(_process().memory_info().rss)
+
+
+def host_memory_readable() -> bool:
+    """Whether this process's RSS can be read here (psutil installed and working)."""
+    try:
+        host_rss_bytes()
+    except Exception:  # ImportError, psutil.Error, OSError on odd platforms
+        return False
+    return True
+
+
+def _read_vmhwm() -> int | None:
+    try:
+        with open(_STATUS_PATH, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_vmhwm() -> bool:
+    try:
+        with open(_CLEAR_REFS_PATH, "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:  # not Linux, an old kernel, or a sandbox that forbids it
+        return False
+    return True
+
+
+def reset_host_peak() -> bool:
+    """Starts a new host-RSS peak interval at the current RSS.
+
+    Returns True when the OS high-water mark (Linux's VmHWM) was reset too, so
+    later peaks include what happened between readings; False where only the
+    readings themselves are compared (`host_peak_method()` says which).
+    """
+    current = host_rss_bytes()
+    reset = _reset_vmhwm() and _read_vmhwm() is not None
+    with _HOST.lock:
+        _HOST.seen = current
+        _HOST.hwm_reset = reset
+    return reset
+
+
+def read_host_memory() -> tuple[int, int]:
+    """`(current_rss_bytes, peak_rss_bytes)` of this whole process.
+
+    The peak is the highest RSS read since the last `reset_host_peak` (or
+    since the first reading), raised to the OS high-water mark where that
+    counts from the same moment: after a reset that reset it, or from the
+    process start before any reset.
+    """
+    current = host_rss_bytes()
+    hwm = _read_vmhwm() if _HOST.hwm_reset is not False else None
+    with _HOST.lock:
+        seen = current if _HOST.seen is None else max(_HOST.seen, current)
+        _HOST.seen = seen
+    return current, (seen if hwm is None else max(seen, hwm))
+
+
+def host_peak_method() -> str:
+    """How the host-RSS peak is taken now, in words (for notices and summaries)."""
+    if _HOST.hwm_reset is False or _read_vmhwm() is None:
+        return ("highest RSS read between steps (the OS high-water mark cannot be "
+                "reset here, so a peak inside a step can be missed)")
+    return "the OS high-water mark of the RSS (Linux VmHWM, reset per phase)"
 
 
 def format_bytes(num: int | float | None) -> str:

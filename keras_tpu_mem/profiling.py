@@ -7,19 +7,24 @@
   captured from TensorBoard's "Capture Profile" button (`mode="server"`).
   After a local capture it logs a short summary read with xprof's converters,
   without a server: the step time from the overview page and, for XLA-compiled
-  steps, the memory viewer's peak heap.
+  steps, the memory viewer's peak heap. xprof is optional (the `[profile]`
+  extra): the capture needs only TensorFlow, and where no converter is found
+  one notice names the extra that adds the summary.
 * `batch_size_sweep(build_fn, dataset_fn, batch_sizes)` trains a few steps at
-  each batch size and returns samples per second and the allocator's peak
-  bytes, stopping at the first out-of-memory error; it can draw both against
-  the batch size in a PNG.
+  each batch size and returns samples per second and the peak memory (the
+  allocator's, or the process's resident memory where a CPU allocator keeps
+  no statistics, each row naming its source), stopping at the first
+  out-of-memory error; it can draw both against the batch size in a PNG.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,6 +36,7 @@ from collections.abc import Callable, Sequence
 import keras
 
 from keras_tpu_mem import devices
+from keras_tpu_mem._compat import profiler as profiler_compat
 from keras_tpu_mem._utils import logger, require_tensorflow_backend
 
 _MODES = ("local", "server")
@@ -42,39 +48,23 @@ _SERVERS: dict[int, bool] = {}
 # --------------------------------------------------------------------------
 # xprof conversion without a server
 # --------------------------------------------------------------------------
-class _Converter:
-    """Finds an XSpace converter: xprof, tensorboard_plugin_profile or TF's own.
+def _find_converter():
+    """The XSpace converter finder (tests replace it to simulate a bare install)."""
+    return profiler_compat.find_xspace_converter()
 
-    All of them wrap the same C++ `xspace_to_tools_data(paths, tool, options)`;
-    the pure-Python wrapper of newer xprof releases can fail to import on an
-    older protobuf (TensorFlow 2.19 pins protobuf 5, xprof 2.22 is generated
-    with protobuf 6), so the raw binding is tried next.
+
+class _Converter:
+    """An XSpace converter: xprof's (or an older tensorboard_plugin_profile's).
+
+    All of them wrap the same C++ `xspace_to_tools_data(paths, tool, options)`
+    (see `keras_tpu_mem._compat.profiler`).
     """
 
     def __init__(self):
-        self.name = None
-        self.reason = None
-        self._raw = None
-        errors = []
-        candidates = (
-            ("xprof", "xprof.convert._pywrap_profiler_plugin"),
-            ("tensorboard_plugin_profile",
-             "tensorboard_plugin_profile.convert._pywrap_profiler_plugin"),
-            ("tensorflow", "tensorflow.python.profiler.internal._pywrap_profiler_plugin"),
-        )
-        import importlib
-
-        for name, module_name in candidates:
-            try:
-                module = importlib.import_module(module_name)
-            except Exception as err:  # ImportError, protobuf VersionError, ...
-                errors.append(f"{module_name}: {type(err).__name__}")
-                continue
-            if hasattr(module, "xspace_to_tools_data"):
-                self.name, self._raw = name, module.xspace_to_tools_data
-                return
-            errors.append(f"{module_name}: no xspace_to_tools_data")
-        self.reason = "no XSpace converter could be imported (" + "; ".join(errors) + ")"
+        found, detail = _find_converter()
+        self.name = found
+        self.reason = None if found else detail
+        self._raw = detail if found else None
 
     @property
     def available(self) -> bool:
@@ -147,9 +137,13 @@ class ProfileSummary:
                          f"{devices.format_bytes(self.peak_heap_bytes)} in {self.module_name}")
         if self.note:
             lines.append(f"  note: {self.note}")
-        lines.append(f"  open it: tensorboard --logdir "
-                     f"{os.path.dirname(os.path.dirname(os.path.dirname(self.run_dir)))} "
-                     "-> Profile")
+        open_it = (f"  open it: tensorboard --logdir "
+                   f"{os.path.dirname(os.path.dirname(os.path.dirname(self.run_dir)))} "
+                   "-> Profile")
+        if not profiler_compat.profile_plugin_installed():
+            open_it += (f" (TensorBoard's Profile tab needs tensorboard-plugin-profile: "
+                        f"{profiler_compat.PROFILE_EXTRA})")
+        lines.append(open_it)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -166,18 +160,6 @@ def _float(value) -> float | None:
         return None
 
 
-def _xspace_class():
-    for module_name in ("tensorflow.tsl.profiler.protobuf.xplane_pb2",
-                        "tsl.profiler.protobuf.xplane_pb2"):
-        try:
-            import importlib
-
-            return importlib.import_module(module_name).XSpace
-        except Exception:
-            continue
-    return None
-
-
 def executed_xla_modules(xplane_path: str) -> set[str] | None:
     """Names of the XLA modules that ran in a capture, or None if unreadable.
 
@@ -186,7 +168,7 @@ def executed_xla_modules(xplane_path: str) -> set[str] | None:
     events carry an `hlo_module` stat (XLA:CPU thunks, TPU/GPU ops) and device
     planes have an "XLA Modules" line; those name the modules that ran.
     """
-    xspace_cls = _xspace_class()
+    xspace_cls = profiler_compat.xspace_class()
     if xspace_cls is None:
         return None
     space = xspace_cls()
@@ -217,6 +199,20 @@ def executed_xla_modules(xplane_path: str) -> set[str] | None:
     return names
 
 
+_NOTICES: set[str] = set()
+
+
+def _notice_missing_converter(reason: str) -> None:
+    """Says once per process that the summary needs xprof, and which extra adds it."""
+    if "converter" in _NOTICES:
+        return
+    _NOTICES.add("converter")
+    logger.info(
+        "ProfileWindow: the capture is written, but its summary (step time, XLA peak heap) "
+        "needs xprof's converters, which are not installed: %s adds them (%s).",
+        profiler_compat.PROFILE_EXTRA, reason)
+
+
 def summarize_profile(xplane_path: str, *, first_step: int = 0, last_step: int = 0,
                       steps_per_execution: int = 1) -> ProfileSummary:
     """Reads step time and XLA peak memory from a captured `*.xplane.pb`.
@@ -230,8 +226,11 @@ def summarize_profile(xplane_path: str, *, first_step: int = 0, last_step: int =
                 last_step=last_step, steps_per_execution=steps_per_execution)
     converter = _Converter()
     if not converter.available:
-        return ProfileSummary(**base, note=f"no summary: {converter.reason}; open it in "
-                                           "TensorBoard's Profile tab instead")
+        _notice_missing_converter(converter.reason)
+        return ProfileSummary(**base, note=(
+            f"no step-time or peak-heap summary: xprof's converters are not installed "
+            f"({profiler_compat.PROFILE_EXTRA} adds them); the capture itself is complete: "
+            "open it in TensorBoard's Profile tab"))
     notes = []
     step = dict(step_time_ms=None, step_time_min_ms=None, step_time_max_ms=None)
     peak = module = None
@@ -314,7 +313,10 @@ class ProfileWindow(keras.callbacks.Callback):
     summary is logged (step time, and XLA's peak heap for `jit_compile=True`
     steps, read with xprof's converters from a temporary copy, so the run
     directory holds only what TensorBoard itself would write). Several windows
-    in one run each give their own run directory.
+    in one run each give their own run directory. The capture needs only
+    TensorFlow; the summary needs xprof's converters
+    (`pip install "keras-tpu-mem[profile]"`): without them one notice names
+    the extra and the summary's `note` says so.
 
     `mode="server"`: starts TensorFlow's profiler server on `port` (a free one
     if None) when training begins, and logs when the window's steps run, so a
@@ -428,12 +430,9 @@ class ProfileWindow(keras.callbacks.Callback):
         elif in_window and not self._tracing and not self._done:
             self._start_local(first)
         if self._tracing or self.mode == "server":
-            import tensorflow as tf
-
             # A step marker per execution, as Keras' TensorBoard callback
             # sets: XProf's overview page measures step time from them.
-            self._step_trace = tf.profiler.experimental.Trace(
-                "train", step_num=first, _r=1)
+            self._step_trace = profiler_compat.step_trace("train", first)
             self._step_trace.__enter__()
         self._t_begin = (first, time.perf_counter()) if self._tracing else None
 
@@ -561,10 +560,14 @@ class SweepRow:
         batch_size: Global batch size (what `dataset_fn` batched with).
         samples_per_sec: Examples per second after the first execution
             (which includes compilation), or None if it did not finish.
-        peak_bytes: The allocator's peak bytes during the run (largest over
-            the replica devices), None where unreadable.
+        peak_bytes: The peak bytes during the run (largest over the replica
+            devices), None where unreadable.
         status: `"ok"`, or `"oom"` for a `ResourceExhaustedError`.
         error: The error's first line for `"oom"`.
+        memory_source: Where `peak_bytes` comes from: `"allocator"` (the
+            devices' allocators) or `"host_rss"` (the resident memory of the
+            whole process, where the CPU allocator keeps no statistics: it
+            includes everything the process holds); None where unreadable.
     """
 
     batch_size: int
@@ -572,6 +575,7 @@ class SweepRow:
     peak_bytes: int | None
     status: str = "ok"
     error: str | None = None
+    memory_source: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -594,12 +598,21 @@ class SweepResult:
                 return row.batch_size
         return None
 
+    @property
+    def memory_source(self) -> str | None:
+        """The source of the rows' peaks (`"allocator"`, `"host_rss"`), `"mixed"` or None."""
+        sources = {r.memory_source for r in self.rows if r.memory_source is not None}
+        if not sources:
+            return None
+        return sources.pop() if len(sources) == 1 else "mixed"
+
     def table(self) -> str:
-        lines = [f"{'batch':>8}  {'samples/s':>12}  {'peak memory':>12}  status"]
+        lines = [f"{'batch':>8}  {'samples/s':>12}  {'peak memory':>12}  {'source':<9}  status"]
         for r in self.rows:
             sps = f"{r.samples_per_sec:,.0f}" if r.samples_per_sec else "-"
             lines.append(f"{r.batch_size:>8}  {sps:>12}  "
-                         f"{devices.format_bytes(r.peak_bytes):>12}  {r.status}")
+                         f"{devices.format_bytes(r.peak_bytes):>12}  "
+                         f"{r.memory_source or '-':<9}  {r.status}")
         if self.oom_batch is not None:
             lines.append(f"out of memory at batch {self.oom_batch}; largest that fit: "
                          f"{self.largest_fitting}"
@@ -607,6 +620,9 @@ class SweepResult:
                             if self.skipped else ""))
         else:
             lines.append(f"all fit; largest: {self.largest_fitting}")
+        if self.memory_source == devices.SOURCE_HOST_RSS:
+            lines.append("peak memory: host RSS, the resident memory of the whole process "
+                         "(the CPU allocator keeps no statistics here), not HBM")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -634,9 +650,12 @@ class SweepResult:
                         [r.peak_bytes / scale for r in mem_rows], "s-", color="tab:orange")
             ax_mem.set_ylabel(f"peak memory ({unit})")
         else:
-            ax_mem.text(0.5, 0.5, "allocator peak not readable", ha="center",
+            ax_mem.text(0.5, 0.5, "peak memory not readable", ha="center",
                         transform=ax_mem.transAxes)
-        ax_mem.set_title("Peak memory (allocator)")
+        source = self.memory_source
+        ax_mem.set_title("Peak memory (host RSS of the whole process)"
+                         if source == devices.SOURCE_HOST_RSS else
+                         f"Peak memory ({source or 'allocator'})")
         for ax in (ax_speed, ax_mem):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("batch size")
@@ -663,28 +682,23 @@ def _mem_unit(value: float) -> tuple[float, str]:
     return 1.0, "B"
 
 
-def _memory_devices(model) -> list[str]:
-    """Allocators to watch: each replica's device, the host CPU once."""
-    import tensorflow as tf
+def _memory_devices(model) -> list[tuple[str, str]]:
+    """`(device, source)` to watch: each replica's device, the host CPU once.
 
-    strategy = getattr(model, "_distribute_strategy", None)
-    names = []
-    if strategy is not None:
-        try:
-            names = [n.split("device:")[-1] for n in strategy.extended.worker_devices]
-        except (RuntimeError, AttributeError):
-            names = []
-    if not names:
-        for kind in ("TPU", "GPU"):
-            found = tf.config.list_logical_devices(kind)
-            if found:
-                names = [found[0].name.split("device:")[-1]]
-                break
+    The source is the device's allocator where it keeps statistics, else for
+    the host the process's resident memory (`devices.memory_source`);
+    devices nothing can read are left out.
+    """
+    names = [n.split("device:")[-1]
+             for n in devices.replica_device_names(model.distribute_strategy)]
     out = []
     for name in names or ["CPU:0"]:
-        name = "CPU:0" if name.upper().startswith("CPU") else name
-        if name not in out:
-            out.append(name)
+        name = "CPU:0" if devices.is_host_device(name) else name
+        if name in (n for n, _ in out):
+            continue
+        source = devices.memory_source(name)
+        if source is not None:
+            out.append((name, source))
     return out
 
 
@@ -731,6 +745,19 @@ def _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps):
                          f"got {steps!r}.")
 
 
+@contextlib.contextmanager
+def _quiet_framework():
+    """Keeps TensorFlow's Python log lines (retracing notices for every fresh
+    model, ...) out of the sweep's progress bar; errors still show."""
+    tf_logger = logging.getLogger("tensorflow")
+    level = tf_logger.level
+    tf_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        tf_logger.setLevel(level)
+
+
 def batch_size_sweep(
     build_fn: Callable[[], keras.Model],
     dataset_fn: Callable[[int], object],
@@ -738,16 +765,21 @@ def batch_size_sweep(
     *,
     steps: int = 20,
     png_path: str | None = None,
+    verbose: int = 1,
 ) -> SweepResult:
     """Trains a few steps at each batch size; measures throughput and peak memory.
 
     For each batch size (smallest first) a fresh model from `build_fn()` trains
     `steps` steps on `dataset_fn(batch_size)` (repeated as needed). Samples per
-    second are timed after the first execution, which includes compilation;
-    the peak is the allocator's (`tf.config.experimental.get_memory_info`) over
-    the whole run, on each replica's device. The sweep stops at the first
-    out-of-memory error (`tf.errors.ResourceExhaustedError`), records it and
-    reports the largest batch that fit.
+    second are timed after the first execution, which includes compilation.
+    The peak is taken over the whole run on each replica's device, from the
+    device's allocator (`tf.config.experimental.get_memory_info`); where a CPU
+    allocator keeps no statistics (oneDNN off: CPUs without AVX-512, or
+    `TF_ENABLE_ONEDNN_OPTS=0`) it is the peak resident memory of the whole
+    process instead, said once and kept in each row's `memory_source`
+    (`"host_rss"`). The sweep stops at the first out-of-memory error
+    (`tf.errors.ResourceExhaustedError`), records it and reports the largest
+    batch that fit.
 
     Args:
         build_fn: `() -> compiled keras.Model` (build it in your strategy's
@@ -757,17 +789,50 @@ def batch_size_sweep(
         batch_sizes: Batch sizes to try.
         steps: Training steps per batch size (>= 2).
         png_path: If given, write the throughput / peak-memory figure there.
+        verbose: 1 shows a progress bar (`keras.utils.Progbar`, one unit per
+            batch size, with its samples/s and peak); 0 logs one line per batch
+            size instead.
 
     Returns:
         A `SweepResult` (`.rows`, `.largest_fitting`, `.oom_batch`, `.table()`).
+
+    Example:
+
+    ```python
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    import keras_tpu_mem as ktm
+
+    x, y = np.random.rand(4096, 64).astype("float32"), np.random.randint(0, 10, 4096)
+
+    def build():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(512, activation="relu"),
+                                  keras.layers.Dense(10)])
+        model.compile("adam", "sparse_categorical_crossentropy")
+        return model
+
+    result = ktm.batch_size_sweep(
+        build, lambda b: tf.data.Dataset.from_tensor_slices((x, y)).batch(b, drop_remainder=True),
+        [32, 128, 512], steps=5)
+    print(result.table())
+    ```
     """
     import tensorflow as tf
 
     require_tensorflow_backend("batch_size_sweep")
     _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps)
+    if verbose not in (0, 1) or isinstance(verbose, bool):
+        raise ValueError(f"`verbose` must be 0 (log lines) or 1 (progress bar), got {verbose!r}.")
     sizes = sorted(set(batch_sizes))
     rows: list[SweepRow] = []
     skipped: tuple[int, ...] = ()
+    progbar = (keras.utils.Progbar(len(sizes), unit_name="batch size",
+                                   stateful_metrics=["samples/s", "peak MiB"])
+               if verbose else None)
+    if progbar is not None:
+        progbar.update(0)
+    announced = False
     for i, batch in enumerate(sizes):
         model = None
         try:
@@ -780,23 +845,44 @@ def batch_size_sweep(
                 raise TypeError("`dataset_fn` must return a tf.data.Dataset, got "
                                 f"{type(data).__name__}.")
             watch = _memory_devices(model)
-            for name in watch:
-                devices.reset_peak(name)
+            if not announced and any(s == devices.SOURCE_HOST_RSS for _, s in watch):
+                announced = True
+                logger.info(
+                    "batch_size_sweep: the CPU allocator keeps no statistics here (oneDNN "
+                    "off: the default on CPUs without AVX-512, or TF_ENABLE_ONEDNN_OPTS=0); "
+                    "peak memory is the host RSS of the whole process instead (%s), which "
+                    "includes the data, the framework and earlier models, not HBM.",
+                    devices.host_peak_method())
+            for name, source in watch:
+                devices.reset_peak(name, source=source)
             timer = _Timer()
-            model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0,
-                      shuffle=False, callbacks=[timer])
-            peaks = [devices.read_memory(name) for name in watch]
-            peaks = [p[1] for p in peaks if p is not None]
+            with _quiet_framework():
+                model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0,
+                          shuffle=False, callbacks=[timer])
+            peaks = []
+            for name, source in watch:
+                value = devices.read_memory(name, source=source)
+                if value is not None:
+                    peaks.append((value[1], source))
+            peak, source = max(peaks) if peaks else (None, None)
             elapsed = (timer.t_last_end - timer.t_first_end) if timer.t_last_end else None
             sps = (timer.steps_after_first * batch / elapsed) if elapsed else None
-            rows.append(SweepRow(batch, sps, max(peaks) if peaks else None))
-            logger.info("batch_size_sweep: batch %d: %s samples/s, peak %s", batch,
-                        f"{sps:,.0f}" if sps else "-",
-                        devices.format_bytes(max(peaks) if peaks else None))
+            rows.append(SweepRow(batch, sps, peak, memory_source=source))
+            if progbar is not None:
+                values = [("samples/s", sps or 0.0)]
+                if peak is not None:
+                    values.append(("peak MiB", peak / 2**20))
+                progbar.update(i + 1, values=values)
+            else:
+                logger.info("batch_size_sweep: batch %d: %s samples/s, peak %s (%s)", batch,
+                            f"{sps:,.0f}" if sps else "-", devices.format_bytes(peak),
+                            source or "unreadable")
         except (tf.errors.ResourceExhaustedError, MemoryError) as err:
             message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             rows.append(SweepRow(batch, None, None, "oom", message[:300]))
             skipped = tuple(sizes[i + 1:])
+            if progbar is not None:
+                progbar.update(i, finalize=True)  # ends the bar's line before the notice
             logger.info("batch_size_sweep: out of memory at batch %d; stopping (largest that "
                         "fit: %s).", batch, max((r.batch_size for r in rows
                                                  if r.status == "ok"), default=None))

@@ -23,7 +23,7 @@ import dataclasses
 import json
 import os
 
-from keras_tpu_mem.devices import GIB, format_bytes
+from keras_tpu_mem.devices import GIB, SOURCE_ALLOCATOR, format_bytes
 from keras_tpu_mem.monitoring import (
     MEMORY_SUBDIR,
     SUMMARY_FILE,
@@ -31,10 +31,11 @@ from keras_tpu_mem.monitoring import (
     TIMELINE_FILE,
     _fmt_bytes,
     format_table,
+    source_column,
 )
 
-__all__ = ["Report", "find_runs", "load_timeline", "summarize_memory",
-           "summarize_throughput", "write_report"]
+__all__ = ["Report", "TrainingRun", "find_runs", "load_timeline", "split_training_runs",
+           "summarize_memory", "summarize_throughput", "write_report"]
 
 _MIB = 1024**2
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2",
@@ -42,6 +43,35 @@ _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2",
 
 
 # ------------------------------------------------------------------ reading
+def _read_records(path: str) -> list[dict]:
+    """Every complete record of a timeline, in file order (a line cut short by a
+    crash is skipped)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "step" in record:
+                records.append(record)
+    return records
+
+
+def _merge_attempt(kept: list[dict], records: list[dict]) -> list[dict]:
+    """Adds one fit attempt's records to a training run, as TensorBoard would.
+
+    When the attempt starts at step `s`, the earlier records at steps >= `s`
+    are dropped: those steps were trained again, and the new records replace
+    them (TensorBoard's own rule for restarted runs). An attempt of
+    evaluation records only (a standalone `evaluate`) trains nothing again.
+    """
+    if kept and any(r.get("phase") != "eval" for r in records):
+        start = records[0]["step"]
+        kept = [r for r in kept if r["step"] < start]
+    return kept + records
+
+
 def load_timeline(path: str) -> list[dict]:
     """Reads a monitor timeline, as TensorBoard would show it after a resume.
 
@@ -49,25 +79,89 @@ def load_timeline(path: str) -> list[dict]:
     e.g. resumed by `BackupAndRestore`) starts at step `s`, the earlier
     attempts' records at steps >= `s` are dropped: those steps were trained
     again, and the new records replace them (TensorBoard's own rule for
-    restarted runs).
+    restarted runs). Use `split_training_runs` to keep separate runs that were
+    written into the same folder apart.
     """
     kept: list[dict] = []
-    attempt = None
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(record, dict) or "step" not in record:
-                continue
-            if record.get("attempt") != attempt:
-                if attempt is not None:
-                    start = record["step"]
-                    kept = [r for r in kept if r["step"] < start]
-                attempt = record.get("attempt")
-            kept.append(record)
+    for records in _by_attempt(_read_records(path)):
+        kept = _merge_attempt(kept, records)
     return kept
+
+
+def _by_attempt(records: list[dict]) -> list[list[dict]]:
+    groups: list[list[dict]] = []
+    attempt = object()
+    for record in records:
+        if not groups or record.get("attempt") != attempt:
+            attempt = record.get("attempt")
+            groups.append([])
+        groups[-1].append(record)
+    return groups
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """One training run in a monitor folder: a `fit` and the fits that continued it.
+
+    Attributes:
+        attempts: The fit attempts (numbers in the timeline) it is made of;
+            more than one where a `fit` resumed (`BackupAndRestore`) or
+            continued (`fit` again on the same model) the previous one.
+        records: Its records, with steps trained again after a resume kept
+            from the later attempt only.
+    """
+
+    attempts: list
+    records: list[dict]
+
+    @property
+    def steps(self) -> tuple[int, int] | None:
+        steps = [r["step"] for r in self.records]
+        return (min(steps), max(steps)) if steps else None
+
+    @property
+    def times(self) -> tuple[float, float] | None:
+        times = [r["time"] for r in self.records if isinstance(r.get("time"), (int, float))]
+        return (min(times), max(times)) if times else None
+
+
+def _begin_step(records: list[dict]):
+    for record in records:
+        if record.get("begin_step") is not None:
+            return record["begin_step"]
+    return None
+
+
+def split_training_runs(records: list[dict]) -> list[TrainingRun]:
+    """Splits a timeline's records (file order) into training runs.
+
+    A fit attempt continues the previous run when it starts from a trained
+    optimizer (`begin_step > 0`, as after `BackupAndRestore` or a second
+    `fit` on the same model); one that starts from step 0 (a fresh model,
+    e.g. the same script run again into the same log folder) starts a new
+    run. Timelines written before `begin_step` was recorded fall back to the
+    steps: an attempt whose first step is not beyond the run's first step
+    starts a new run.
+    """
+    runs: list[TrainingRun] = []
+    for group in _by_attempt(records):
+        begin = _begin_step(group)
+        evaluation_only = all(r.get("phase") == "eval" for r in group)
+        if not runs:
+            continues = False
+        elif evaluation_only:
+            continues = True
+        elif begin is not None:
+            continues = begin > 0
+        else:
+            first = runs[-1].steps
+            continues = first is not None and group[0]["step"] > first[0]
+        if continues:
+            runs[-1].records = _merge_attempt(runs[-1].records, group)
+            runs[-1].attempts.append(group[0].get("attempt"))
+        else:
+            runs.append(TrainingRun([group[0].get("attempt")], list(group)))
+    return runs
 
 
 def _load_json(path: str) -> dict | None:
@@ -80,10 +174,30 @@ def _load_json(path: str) -> dict | None:
 
 @dataclasses.dataclass
 class _Run:
+    """One training run of a folder, with what each monitor recorded of it."""
+
     dir: str
     memory: list[dict] | None = None
     throughput: list[dict] | None = None
     throughput_summary: dict | None = None
+    memory_attempts: list = dataclasses.field(default_factory=list)
+    throughput_attempts: list = dataclasses.field(default_factory=list)
+    index: int = 1
+    count: int = 1
+
+    @property
+    def attempts(self) -> list:
+        return self.memory_attempts or self.throughput_attempts
+
+
+@dataclasses.dataclass
+class _Folder:
+    """A run directory: which monitor folders it has, and its training runs."""
+
+    dir: str
+    has_memory: bool
+    has_throughput: bool
+    runs: list[_Run]
 
 
 def find_runs(logdir: str) -> list[str]:
@@ -103,16 +217,50 @@ def find_runs(logdir: str) -> list[str]:
     return sorted(runs)
 
 
-def _load_run(run_dir: str) -> _Run:
-    run = _Run(run_dir)
+def _overlap(a: TrainingRun, b: TrainingRun) -> bool:
+    ta, tb = a.times, b.times
+    if ta is None or tb is None:
+        return a.attempts == b.attempts
+    slack = 1.0  # seconds: the two monitors stamp the same steps a moment apart
+    return ta[0] <= tb[1] + slack and tb[0] <= ta[1] + slack
+
+
+def _load_folder(run_dir: str) -> _Folder:
     memory_path = os.path.join(run_dir, MEMORY_SUBDIR, TIMELINE_FILE)
     throughput_path = os.path.join(run_dir, THROUGHPUT_SUBDIR, TIMELINE_FILE)
-    if os.path.exists(memory_path):
-        run.memory = load_timeline(memory_path)
-    if os.path.exists(throughput_path):
-        run.throughput = load_timeline(throughput_path)
-        run.throughput_summary = _load_json(os.path.join(run_dir, THROUGHPUT_SUBDIR, SUMMARY_FILE))
-    return run
+    has_memory, has_throughput = os.path.exists(memory_path), os.path.exists(throughput_path)
+    memory = split_training_runs(_read_records(memory_path)) if has_memory else []
+    throughput = split_training_runs(_read_records(throughput_path)) if has_throughput else []
+    summary = (_load_json(os.path.join(run_dir, THROUGHPUT_SUBDIR, SUMMARY_FILE))
+               if has_throughput else None)
+    # The two monitors number their attempts separately (one may have been
+    # left out of a fit): a memory run and a throughput run are the same
+    # training run when they ran at the same time.
+    pairs: list[tuple[TrainingRun | None, TrainingRun | None]] = []
+    unmatched = list(throughput)
+    for m in memory:
+        match = next((t for t in unmatched if _overlap(m, t)), None)
+        if match is not None:
+            unmatched.remove(match)
+        pairs.append((m, match))
+    pairs += [(None, t) for t in unmatched]
+    pairs.sort(key=lambda p: min(((x.times or (0.0, 0.0))[0]) for x in p if x is not None))
+    runs = []
+    for index, (m, t) in enumerate(pairs, start=1):
+        run = _Run(run_dir, index=index, count=len(pairs))
+        if m is not None:
+            run.memory, run.memory_attempts = m.records, m.attempts
+        elif has_memory and not memory:
+            run.memory = []  # the file is there but holds no record
+        if t is not None:
+            run.throughput, run.throughput_attempts = t.records, t.attempts
+            if index == len(pairs):  # summary.json is the last fit's
+                run.throughput_summary = summary
+        runs.append(run)
+    if not runs:
+        runs = [_Run(run_dir, memory=[] if has_memory else None,
+                     throughput=[] if has_throughput else None)]
+    return _Folder(run_dir, has_memory, has_throughput, runs)
 
 
 # -------------------------------------------------------------- summarising
@@ -120,8 +268,11 @@ def summarize_memory(records: list[dict]) -> dict:
     """Per device: peaks of the first step, training and evaluation, capacity, headroom.
 
     Returns `{device: {"compile_peak_bytes", "train_peak_bytes", "eval_peak_bytes",
-    "capacity_bytes", "headroom", "peak_step", "peak_phase"}}`; the peak step is
-    that of the highest reading of any phase.
+    "capacity_bytes", "headroom", "peak_step", "peak_phase", "peak_bytes", "shared",
+    "source", "process_wide"}}`; the peak step is that of the highest reading of
+    any phase. `source` is `"allocator"` or `"host_rss"` (the resident memory
+    of the whole process); timelines written before sources were recorded are
+    allocator readings.
     """
     result: dict[str, dict] = {}
     for record in records:
@@ -130,7 +281,9 @@ def summarize_memory(records: list[dict]) -> dict:
             info = result.setdefault(device, {
                 "compile_peak_bytes": None, "train_peak_bytes": None, "eval_peak_bytes": None,
                 "capacity_bytes": None, "headroom": None, "peak_step": None,
-                "peak_phase": None, "shared": bool(reading.get("shared")), "_best": None,
+                "peak_phase": None, "shared": bool(reading.get("shared")),
+                "source": reading.get("source") or SOURCE_ALLOCATOR,
+                "process_wide": bool(reading.get("process_wide")), "_best": None,
             })
             peak = reading.get("peak_bytes")
             if reading.get("capacity_bytes"):
@@ -176,30 +329,84 @@ def _fmt_rate(value):
     return "-" if value is None else f"{value:,.1f}"
 
 
-def _summary_text(run: _Run, memory: dict | None, throughput: dict | None) -> str:
-    lines = [f"run: {run.dir}"]
+def _attempts_text(attempts: list) -> str:
+    attempts = [a for a in attempts if a is not None]
+    if not attempts:
+        return "fit attempt ?"
+    if len(attempts) == 1:
+        return f"fit attempt {attempts[0]}"
+    return "fit attempts " + ", ".join(str(a) for a in attempts)
+
+
+def _folder_holdings(folder: _Folder) -> list[str]:
+    """What a run folder holds and what it lacks."""
+    holds = []
+    lines = []
+    if folder.has_memory:
+        holds.append(f"memory ({MEMORY_SUBDIR}/)")
+    else:
+        lines.append(f"memory: not recorded - no {MEMORY_SUBDIR}/{TIMELINE_FILE} in this "
+                     "folder (only ThroughputMonitor wrote here; add ktm.HBMMonitor(log_dir) "
+                     "to record memory)")
+    if folder.has_throughput:
+        holds.append(f"throughput ({THROUGHPUT_SUBDIR}/)")
+    else:
+        lines.append(f"throughput: not recorded - no {THROUGHPUT_SUBDIR}/{TIMELINE_FILE} in "
+                     "this folder (only HBMMonitor wrote here; add "
+                     "ktm.ThroughputMonitor(log_dir) to record it)")
+    return ["holds: " + ", ".join(holds)] + lines
+
+
+def _run_holdings(folder: _Folder, run: _Run) -> list[str]:
+    """What one training run lacks although its folder has the monitor's timeline."""
+    lines = []
+    if folder.has_memory:
+        if run.memory is None:
+            lines.append("memory: not recorded for this training run (HBMMonitor was not "
+                         "among this fit's callbacks)")
+        elif not any(r.get("devices") for r in run.memory):
+            lines.append("memory: not recorded - the timeline has no readings (HBMMonitor "
+                         "could read no device; its notice at the start of training says why)")
+    if folder.has_throughput:
+        if run.throughput is None:
+            lines.append("throughput: not recorded for this training run (ThroughputMonitor "
+                         "was not among this fit's callbacks)")
+        elif not run.throughput:
+            lines.append("throughput: not recorded - the timeline has no intervals")
+    return lines
+
+
+def _memory_rows(memory: dict) -> list[tuple]:
+    rows = [("device", "source", "first step", "training", "evaluation", "capacity",
+             "headroom", "peak at step")]
+    for device, info in memory.items():
+        label = device + (" [shared]" if info["shared"] and "shared" not in device
+                          and not info["process_wide"] else "")
+        rows.append((
+            label,
+            source_column(info["source"]),
+            _fmt_bytes(info["compile_peak_bytes"]),
+            _fmt_bytes(info["train_peak_bytes"]),
+            _fmt_bytes(info["eval_peak_bytes"]),
+            format_bytes(info["capacity_bytes"]),
+            "unknown" if info["headroom"] is None else f"{100 * info['headroom']:.1f}%",
+            "-" if info["peak_step"] is None else f"{info['peak_step']} ({info['peak_phase']})",
+        ))
+    return rows
+
+
+def _run_text(folder: _Folder, run: _Run, memory: dict | None, throughput: dict | None) -> list:
     records = (run.memory or []) + (run.throughput or [])
+    head = (f"training run {run.index} of {run.count}" if run.count > 1 else "training run")
     if records:
         steps = [r["step"] for r in records]
-        attempts = len({r.get("attempt") for r in records})
-        lines[0] += f"  (steps {min(steps)}-{max(steps)}, {attempts} fit attempt(s))"
+        head += f": {_attempts_text(run.attempts)}, steps {min(steps)}-{max(steps)}"
+    lines = [head] + _run_holdings(folder, run)
     if memory:
-        rows = [("device", "first step", "training", "evaluation", "capacity", "headroom",
-                 "peak at step")]
-        for device, info in memory.items():
-            label = device + (" [shared]" if info["shared"] and "shared" not in device else "")
-            rows.append((
-                label,
-                _fmt_bytes(info["compile_peak_bytes"]),
-                _fmt_bytes(info["train_peak_bytes"]),
-                _fmt_bytes(info["eval_peak_bytes"]),
-                format_bytes(info["capacity_bytes"]),
-                "unknown" if info["headroom"] is None else f"{100 * info['headroom']:.1f}%",
-                "-" if info["peak_step"] is None else f"{info['peak_step']} ({info['peak_phase']})",
-            ))
-        lines += ["", "memory (peak per phase and device)", format_table(rows)]
-    elif run.memory is not None:
-        lines += ["", "memory: the timeline has no readings"]
+        lines += ["", "memory (peak per phase and device)", format_table(_memory_rows(memory))]
+        if any(i["process_wide"] for i in memory.values()):
+            lines.append("host RSS (process): the resident memory of the whole training "
+                         "process (the CPU allocator kept no statistics), not HBM")
     if throughput:
         first = ", ".join(f"{s:.2f} s" for s in throughput["first_step_s"]) or "-"
         step_ms = throughput["step_time_ms"]
@@ -213,7 +420,31 @@ def _summary_text(run: _Run, memory: dict | None, throughput: dict | None) -> st
         else:
             lines.append("input pipeline: not measured "
                          "(ThroughputMonitor(dataset=...) measures it)")
-    return "\n".join(lines)
+    return lines
+
+
+def _runs_table(folder: _Folder, summaries: list[tuple]) -> str:
+    rows = [("run", "fit attempts", "steps", "memory peak", "source", "samples/s",
+             "first execution")]
+    for run, memory, throughput in summaries:
+        records = (run.memory or []) + (run.throughput or [])
+        steps = [r["step"] for r in records]
+        peaks = [i for i in (memory or {}).values() if i["peak_bytes"] is not None]
+        best = max(peaks, key=lambda i: i["peak_bytes"]) if peaks else None
+        rate = None
+        if throughput:
+            rate = throughput["samples_per_sec"] or throughput["steps_per_sec"]
+        rows.append((
+            str(run.index),
+            ", ".join(str(a) for a in run.attempts if a is not None) or "?",
+            f"{min(steps)}-{max(steps)}" if steps else "-",
+            _fmt_bytes(best["peak_bytes"]) if best else "-",
+            source_column(best["source"]) if best else "-",
+            _fmt_rate(rate) + ("" if not throughput or throughput["samples_per_sec"]
+                                 else " steps/s"),
+            ", ".join(f"{s:.2f} s" for s in throughput["first_step_s"]) if throughput else "-",
+        ))
+    return format_table(rows)
 
 
 # ----------------------------------------------------------------- plotting
@@ -233,9 +464,32 @@ def _memory_unit(records):
     return (GIB, "GiB") if top >= GIB else (_MIB, "MiB")
 
 
+#: Most epoch labels along the top of a chart: about one per inch of a 12-inch
+#: figure whose legend takes the right quarter, so " epoch 1000" never overlaps.
+_MAX_EPOCH_LABELS = 8
+#: Beyond this many epoch boundaries only the labelled ones get a line (the
+#: dotted lines of every epoch would grey the whole chart).
+_MAX_EPOCH_LINES = 60
+
+
+def _epoch_stride(count: int, most: int) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, ... that leaves at most `most` of `count`."""
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            if count <= most * step * scale:
+                return step * scale
+        scale *= 10
+
+
 def _boundaries(ax, records, label_epochs=True):
-    """Faint lines at epoch changes, orange ones where a resumed attempt starts."""
+    """Faint lines at epoch changes, red ones where a resumed attempt starts.
+
+    Epoch labels are thinned to every 2nd, 5th, 10th, ... epoch so they stay
+    readable however many epochs the run has.
+    """
     previous = None
+    epochs = []  # (x, epoch number from 1)
     for record in records:
         if record.get("phase") == "eval":
             continue
@@ -247,12 +501,16 @@ def _boundaries(ax, records, label_epochs=True):
                             xycoords=("data", "axes fraction"), fontsize=8, color="#d62728",
                             ha="left", va="top", rotation=90)
             elif record.get("epoch") != previous.get("epoch") and record.get("epoch") is not None:
-                ax.axvline(x, color="0.75", lw=0.8, ls=":")
-                if label_epochs:
-                    ax.annotate(f" epoch {record['epoch'] + 1}", (x, 1.0),
-                                xycoords=("data", "axes fraction"), fontsize=7, color="0.35",
-                                ha="left", va="top")
+                epochs.append((x, int(record["epoch"]) + 1))
         previous = record
+    stride = _epoch_stride(len(epochs), _MAX_EPOCH_LABELS)
+    for x, epoch in epochs:
+        labelled = epoch % stride == 0 or stride == 1
+        if labelled or len(epochs) <= _MAX_EPOCH_LINES:
+            ax.axvline(x, color="0.75", lw=0.8, ls=":")
+        if label_epochs and labelled:
+            ax.annotate(f" epoch {epoch}", (x, 1.0), xycoords=("data", "axes fraction"),
+                        fontsize=7, color="0.35", ha="left", va="top")
 
 
 def _plot_memory(ax, records, summary):
@@ -293,8 +551,13 @@ def _plot_memory(ax, records, summary):
                        label="highest peak" if index == 0 else None)
             text = (f"peak {format_bytes(info['peak_bytes'])}\n"
                     f"step {info['peak_step']} ({info['peak_phase']})")
+            # Right of the star, or left of it in the right third of the steps
+            # (where the box would run into the legend).
+            steps = [r["step"] for r in records]
+            right_side = info["peak_step"] > min(steps) + 0.66 * (max(steps) - min(steps))
             ax.annotate(text, (info["peak_step"], info["peak_bytes"] / scale),
-                        textcoords="offset points", xytext=(8, 6), fontsize=8,
+                        textcoords="offset points", xytext=(-10, 6) if right_side else (8, 6),
+                        ha="right" if right_side else "left", fontsize=8,
                         bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": "0.6",
                               "alpha": 0.9})
     for capacity in sorted(capacities):
@@ -309,14 +572,19 @@ def _plot_memory(ax, records, summary):
     _legend(ax)
     best = max(summary.values(), key=lambda i: i["peak_bytes"] or -1) if summary else None
     if best and best["peak_bytes"] is not None:
+        what = ("Host memory (resident memory of the whole process, not HBM)"
+                if best["process_wide"] else "Memory per device (allocator)")
         if best["capacity_bytes"]:
-            title = (f"Memory per device: peak {format_bytes(best['peak_bytes'])} of "
+            title = (f"{what}: peak {format_bytes(best['peak_bytes'])} of "
                      f"{format_bytes(best['capacity_bytes'])} "
                      f"({100 * best['headroom']:.0f}% headroom)")
         else:
-            title = (f"Memory per device: peak {format_bytes(best['peak_bytes'])} "
+            title = (f"{what}: peak {format_bytes(best['peak_bytes'])} "
                      "(capacity unknown; HBMMonitor(capacity_bytes=...) draws it)")
-        if any(i["shared"] for i in summary.values()):
+        if any(i["process_wide"] for i in summary.values()):
+            title += ("\nCPU allocator kept no statistics (oneDNN off): host RSS includes "
+                      "weights, data, Python and the framework")
+        elif any(i["shared"] for i in summary.values()):
             title += "\nCPU: one host allocator shared by all replicas and the input pipeline"
         ax.set_title(title, fontsize=10, loc="left")
 
@@ -436,19 +704,47 @@ class Report:
     runs: dict
 
 
-def write_report(logdir: str, *, charts: bool = True) -> Report:
+def _check_run(run):
+    if run is None or run in ("latest", "all"):
+        return run or "latest"
+    if isinstance(run, bool) or not isinstance(run, int):
+        raise TypeError("`run` must be None or 'latest' (the latest training run of each "
+                        "folder), 'all', or an int >= 1 (a training run's number in the "
+                        f"report's table); got {run!r}.")
+    if run < 1:
+        raise ValueError(f"`run` must be an int >= 1 (training runs count from 1), got {run}.")
+    return run
+
+
+def write_report(logdir: str, *, charts: bool = True, run: int | str | None = None) -> Report:
     """Reads every monitor timeline under `logdir`, writes PNG charts, returns a summary.
+
+    For each run folder (a directory holding `ktm_memory/` and/or
+    `ktm_throughput/`) the text says what the folder holds and what it lacks
+    (e.g. "memory: not recorded - no ktm_memory/timeline.jsonl ..."), lists
+    every *training run* written into it (a `fit` of a fresh model starts
+    one; a `fit` that resumes or continues it, e.g. through
+    `BackupAndRestore`, belongs to it), with its fit attempts, steps, peak
+    memory and its source, and throughput, then details and charts of the
+    latest run, or of the one `run` picks. Every memory figure names its
+    source: `allocator`, or `host RSS (process)` where the CPU allocator kept
+    no statistics (the resident memory of the whole process, not HBM).
 
     Args:
         logdir: The `log_dir` given to `HBMMonitor` / `ThroughputMonitor`, or a
             directory above several of them.
         charts: Write the PNG files (False: only the table).
+        run: Which training run of each folder to detail and chart: `None`
+            (the latest), an int (its number in the table, from 1) or `"all"`
+            (every one; charts of earlier runs get a `_run<N>` suffix).
 
     Returns:
         A `Report` with the table text and the chart paths.
 
     Raises:
-        ValueError: if `logdir` is not a local directory or holds no timeline.
+        ValueError: if `logdir` is not a local directory or holds no timeline,
+            or no folder has training run `run`.
+        TypeError: if `run` is not None, "latest", "all" or an int.
         ImportError: if matplotlib is missing (`pip install matplotlib`).
 
     Example:
@@ -460,6 +756,7 @@ def write_report(logdir: str, *, charts: bool = True) -> Report:
     print(report.text)          # the table; report.charts lists the PNG files
     ```
     """
+    which = _check_run(run)
     run_dirs = find_runs(logdir)
     if not run_dirs:
         raise ValueError(
@@ -475,40 +772,80 @@ def write_report(logdir: str, *, charts: bool = True) -> Report:
             raise ImportError(
                 "keras-tpu-mem report draws with matplotlib: `pip install matplotlib`."
             ) from err
+    folders = [_load_folder(d) for d in run_dirs]
+    if isinstance(which, int) and not any(len(f.runs) >= which for f in folders):
+        most = max(len(f.runs) for f in folders)
+        raise ValueError(f"`run`={which}: no folder under {logdir!r} has that many training "
+                         f"runs (the most is {most}).")
     blocks, written, runs = [], [], {}
-    for run_dir in run_dirs:
-        run = _load_run(run_dir)
-        memory = summarize_memory(run.memory) if run.memory else None
-        throughput = (summarize_throughput(run.throughput, run.throughput_summary)
-                      if run.throughput else None)
-        runs[run_dir] = {"memory": memory, "throughput": throughput}
-        if charts:
-            written += _charts(run, memory, throughput)
-        blocks.append(_summary_text(run, memory, throughput))
+    for folder in folders:
+        summaries = [(r, summarize_memory(r.memory) if r.memory else None,
+                      summarize_throughput(r.throughput, r.throughput_summary)
+                      if r.throughput else None) for r in folder.runs]
+        latest = len(summaries)
+        if which == "all":
+            chosen = list(range(1, latest + 1))
+        elif which == "latest":
+            chosen = [latest]
+        else:
+            chosen = [which] if which <= latest else []
+        lines = [f"run folder: {folder.dir}"] + _folder_holdings(folder)
+        if latest > 1:
+            lines += ["", f"{latest} training runs in this folder (a fit of a fresh model "
+                          "starts one; a resumed or continued fit belongs to its run):",
+                      _runs_table(folder, summaries)]
+            if which == "latest":
+                lines.append(f"below: training run {latest} of {latest}, the latest; "
+                             "keras_tpu_mem.report.write_report(LOGDIR, run=N) details and "
+                             "charts run N, run='all' every one")
+            elif not chosen:
+                lines.append(f"training run {which}: not in this folder (it has {latest})")
+        for index in chosen:
+            item, memory, throughput = summaries[index - 1]
+            lines += [""] + _run_text(folder, item, memory, throughput)
+            if charts:
+                suffix = "" if index == latest or which != "all" else f"_run{index}"
+                written += _charts(item, memory, throughput, suffix)
+        first = summaries[(chosen or [latest])[-1] - 1]
+        runs[folder.dir] = {
+            "memory": first[1], "throughput": first[2],
+            "training_runs": [{"index": r.index, "attempts": r.attempts, "memory": m,
+                               "throughput": t} for r, m, t in summaries],
+            "has_memory": folder.has_memory, "has_throughput": folder.has_throughput,
+        }
+        blocks.append("\n".join(lines))
     text = "\n\n".join(blocks)
     if written:
         text += "\n\ncharts:\n" + "\n".join(f"  {p}" for p in written)
     return Report(text=text, charts=written, runs=runs)
 
 
-def _charts(run: _Run, memory, throughput) -> list[str]:
+def _charts(run: _Run, memory, throughput, suffix: str = "") -> list[str]:
     written = []
+    which = (f"training run {run.index} of {run.count} ({_attempts_text(run.attempts)})"
+             if run.count > 1 else "")
     if memory:
         fig, (ax,) = _figure(1, 4.2)
         _plot_memory(ax, run.memory, memory)
         ax.set_xlabel("training step")
-        written.append(_save(fig, os.path.join(run.dir, MEMORY_SUBDIR, "memory.png")))
+        if which:
+            fig.suptitle(which, fontsize=10)
+        written.append(_save(fig, os.path.join(run.dir, MEMORY_SUBDIR, f"memory{suffix}.png")))
     if throughput:
         fig, (ax_rate, ax_time) = _figure(2, 3.2)
         _plot_rate(ax_rate, run.throughput, throughput)
         _plot_step_time(ax_time, run.throughput, throughput)
         ax_time.set_xlabel("training step")
-        written.append(_save(fig, os.path.join(run.dir, THROUGHPUT_SUBDIR, "throughput.png")))
+        if which:
+            fig.suptitle(which, fontsize=10)
+        written.append(_save(fig, os.path.join(run.dir, THROUGHPUT_SUBDIR,
+                                               f"throughput{suffix}.png")))
     if memory and throughput:
         fig, (ax_mem, ax_rate) = _figure(2, 3.8)
         _plot_memory(ax_mem, run.memory, memory)
         _plot_rate(ax_rate, run.throughput, throughput)
         ax_rate.set_xlabel("training step")
-        fig.suptitle(f"keras-tpu-mem report: {run.dir}", fontsize=11)
-        written.append(_save(fig, os.path.join(run.dir, "ktm_report.png")))
+        fig.suptitle(f"keras-tpu-mem report: {run.dir}" + (f", {which}" if which else ""),
+                     fontsize=11)
+        written.append(_save(fig, os.path.join(run.dir, f"ktm_report{suffix}.png")))
     return written

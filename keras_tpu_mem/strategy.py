@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 
@@ -15,6 +16,12 @@ _TPU_ENV_VARS = ("TPU_NAME", "COLAB_TPU_ADDR")
 # A TPU VM exposes its chips as /dev/accel* (v2-v4) or /dev/vfio/* (v5e, v6e);
 # TPU VM images also export TPU_ACCELERATOR_TYPE.
 _LOCAL_TPU_PATHS = ("/dev/accel0", "/dev/vfio/0")
+
+_SOURCE_WORDS = {
+    devices.SOURCE_ALLOCATOR: "allocator statistics of each device",
+    devices.SOURCE_HOST_RSS: ("host RSS: the CPU allocator keeps no statistics here (oneDNN "
+                              "off), so this is the resident memory of the whole process"),
+}
 
 
 def resolve_tpu_address(
@@ -116,6 +123,11 @@ def configure_logical_cpus(count: int) -> None:
         ) from err
 
 
+_JAX_ONLY_ARGUMENTS = frozenset(
+    {"layout_map", "mesh_shape", "multi_host", "coordinator_address", "num_processes",
+     "process_id"})
+
+
 class TPUStrategyWrapper:
     """Finds the best accelerator and builds the matching `tf.distribute` strategy.
 
@@ -149,6 +161,23 @@ class TPUStrategyWrapper:
     print(tpu.describe())
     ```
     """
+
+    def __new__(cls, *args, **kwargs):
+        # On the JAX backend the same name builds a keras.distribution over
+        # jax.devices() (strategy_jax.py); its extra arguments are JAX-only.
+        import keras
+
+        if cls is TPUStrategyWrapper and keras.backend.backend() == "jax":
+            from keras_tpu_mem.strategy_jax import JaxTPUStrategyWrapper
+
+            return super().__new__(JaxTPUStrategyWrapper)
+        jax_only = sorted(set(kwargs) & _JAX_ONLY_ARGUMENTS)
+        if jax_only and keras.backend.backend() == "tensorflow":
+            raise TypeError(
+                f"TPUStrategyWrapper: {', '.join(jax_only)} belong to the JAX backend "
+                "(keras.distribution); on TensorFlow use tf.distribute (tpu=..., "
+                "logical_cpus=...).")
+        return super().__new__(cls)
 
     def __init__(self, tpu: str | None = None, *, logical_cpus: int | None = None):
         require_tensorflow_backend("TPUStrategyWrapper")
@@ -337,24 +366,37 @@ class TPUStrategyWrapper:
         return [n.split("device:")[-1] for n in devices.replica_device_names(self._strategy)]
 
     def memory_info(self) -> list[devices.MemoryReading]:
-        """Allocator state of every replica device.
+        """Memory of every replica device, each reading naming its source.
 
         On CPU all logical devices share one allocator, read once and marked
-        `shared=True`. Bytes are `None` where the allocator cannot be read.
+        `shared=True`. Where that allocator keeps no statistics (oneDNN off:
+        the default on CPUs without AVX-512, or `TF_ENABLE_ONEDNN_OPTS=0`) the
+        readings fall back to the resident memory of the whole process,
+        `source="host_rss"` and `process_wide=True`: not HBM, and it includes
+        everything the process holds. Bytes are `None` (`source=None`) where
+        nothing can read a device.
         """
         capacity = self.hbm_bytes_per_replica
         readings = []
+        host = None
         for name in self.replica_devices():
-            kind, _, index = name.rpartition(":")
-            shared = kind.upper() == "CPU"
-            query = "CPU:0" if shared else name
-            value = devices.read_memory(query)
-            current, peak = value if value else (None, None)
-            readings.append(devices.MemoryReading(name, current, peak, capacity, shared))
+            shared = devices.is_host_device(name)
+            if shared:
+                # One read for all logical CPUs: they share the host allocator.
+                host = host or devices.read_memory_reading("CPU:0", capacity_bytes=capacity,
+                                                           shared=True)
+                readings.append(dataclasses.replace(host, device=name))
+            else:
+                readings.append(devices.read_memory_reading(name, capacity_bytes=capacity))
         return readings
 
     def describe(self) -> str:
-        """A few lines saying what was found, why, and how much memory each replica has."""
+        """A few lines saying what was found, why, and how much memory each replica has.
+
+        Each memory line names its source: the device's allocator, or the
+        host RSS of the whole process where the CPU allocator keeps no
+        statistics.
+        """
         lines = [
             f"strategy:  {type(self._strategy).__name__}",
             f"kind:      {self.kind} ({self.device_name})",
@@ -362,8 +404,19 @@ class TPUStrategyWrapper:
             f"why:       {self.reason}",
             f"HBM/replica: {devices.format_bytes(self.hbm_bytes_per_replica)}",
         ]
-        for reading in self.memory_info():
-            note = " (shared host allocator)" if reading.shared else ""
+        readings = self.memory_info()
+        sources = sorted({r.source for r in readings if r.source is not None})
+        lines.append("memory source: " + (", ".join(_SOURCE_WORDS[s] for s in sources)
+                                          or "none readable"))
+        for reading in readings:
+            if reading.source == devices.SOURCE_HOST_RSS:
+                note = " (host RSS of the whole process, not HBM; shared by all CPU replicas)"
+            elif reading.shared:
+                note = " (shared host allocator)"
+            elif reading.source is None:
+                note = " (no allocator statistics on this device)"
+            else:
+                note = ""
             lines.append(
                 f"  {reading.device}: current {devices.format_bytes(reading.current_bytes)}, "
                 f"peak {devices.format_bytes(reading.peak_bytes)}{note}"

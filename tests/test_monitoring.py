@@ -1,8 +1,10 @@
-"""HBMMonitor, ThroughputMonitor and measure_input_rate (issue #7).
+"""HBMMonitor, ThroughputMonitor and measure_input_rate (issues #7, #12).
 
 Memory on CPU is the host allocator's current/peak bytes, which TensorFlow
-reports while oneDNN is on; it counts only allocations of 256 KiB and more, so
-the models here have layers of >= 1024 units at batch >= 128.
+reports while oneDNN is on (conftest forces it on); it counts only allocations
+of 256 KiB and more, so the models here have layers of >= 1024 units at batch
+>= 128. The host-RSS fallback (oneDNN off, as on AMD/AVX2 CPUs) is tested in
+subprocesses with TF_ENABLE_ONEDNN_OPTS=0.
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ def _scalar_tags(run_dir):
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return acc
+
+
+def _text(accumulator, tag) -> str:
+    """The text of a TensorBoard text summary (Text tab) as TensorBoard decodes it."""
+    (event,) = accumulator.Tensors(tag)
+    return b"".join(event.tensor_proto.string_val).decode("utf-8")
 
 
 class _BatchLogs(keras.callbacks.Callback):
@@ -158,7 +166,7 @@ def test_monitors_across_strategies(strategy_case, digits, tmp_path, log_records
     # The global batch was read from the data fit iterates (summed over replicas).
     assert speed.summary["batch_size"] == BATCH
     assert model.train_function is not None
-    assert not isinstance(model.train_function, mon._BatchSizeProbe)
+    assert not hasattr(mon, "_BatchSizeProbe")
 
     # Timelines: one record per execution (steps_per_execution=1), steps 1..2*S.
     memory = _timeline(tmp_path, "ktm_memory")
@@ -169,15 +177,23 @@ def test_monitors_across_strategies(strategy_case, digits, tmp_path, log_records
     (device,) = memory[0]["devices"]
     assert device == "CPU (shared)"
     assert memory[0]["devices"][device]["shared"] is True
+    # The source of every figure: the allocator (oneDNN on), not process-wide.
+    assert {r["memory_source"] for r in memory} == {"allocator"}
+    assert memory[0]["devices"][device]["source"] == "allocator"
+    assert memory[0]["devices"][device]["process_wide"] is False
+    assert hbm.memory_sources == {"CPU (shared)": "allocator"}
     assert len(memory[0]["devices"][device]["replicas"]) == strategy_case.num_replicas
     throughput = _timeline(tmp_path, "ktm_throughput")
     assert [r["step"] for r in throughput] == steps
     assert sum(r["samples"] for r in throughput) == 2 * steps_per_epoch * BATCH
 
     # TensorBoard: our tags in our runs, Keras' own runs untouched beside them.
-    memory_tags = _scalar_tags(tmp_path / "ktm_memory").Tags()["scalars"]
+    memory_events = _scalar_tags(tmp_path / "ktm_memory")
+    memory_tags = memory_events.Tags()["scalars"]
     assert {"hbm/CPU_shared/current_gib", "hbm/CPU_shared/peak_gib",
             "hbm_eval/CPU_shared/peak_gib"} <= set(memory_tags)
+    assert not [t for t in memory_tags if t.startswith("host_rss")]
+    assert "allocator" in _text(memory_events, "memory_source")
     throughput_events = _scalar_tags(tmp_path / "ktm_throughput")
     assert {"throughput/samples_per_sec", "throughput/steps_per_sec", "throughput/step_time_ms",
             "throughput/first_step_s"} <= set(throughput_events.Tags()["scalars"])
@@ -189,6 +205,8 @@ def test_monitors_across_strategies(strategy_case, digits, tmp_path, log_records
     # The end-of-training table names the device, its peak and the step of the peak.
     (table,) = _messages(log_records, "peak memory per device")
     assert "CPU (shared)" in table and "peak at step" in table
+    assert "source" in table and "allocator" in table and "host RSS" not in table
+    assert len(_messages(log_records, "memory source: CPU (shared) <- allocator")) == 1
     assert devices.format_bytes(hbm.summary["devices"][device]["train_peak_bytes"]) in table
 
 
@@ -277,37 +295,86 @@ def test_small_capacity_warns_exactly_once(digits, log_records):
 
 
 _ONEDNN_OFF_SCRIPT = textwrap.dedent("""
-    import json, os
+    import json, os, sys
     os.environ["KERAS_BACKEND"] = "tensorflow"
-    import keras, numpy as np
+    import keras, numpy as np, psutil
     import keras_tpu_mem.monitoring as mon
-    x = np.random.rand(512, 64).astype("float32"); y = np.random.randint(0, 10, 512)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1024, activation="relu"),
+    batch, log_dir = int(sys.argv[1]), sys.argv[2]
+    rng = np.random.default_rng(0)
+    x = rng.random((4096, 64), dtype=np.float32)
+    y = rng.integers(0, 10, 4096)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2048, activation="relu"),
+                              keras.layers.Dense(2048, activation="relu"),
                               keras.layers.Dense(10)])
     model.compile("adam", "sparse_categorical_crossentropy")
-    history = model.fit(x, y, batch_size=128, epochs=2, verbose=0, validation_split=0.25,
-                        callbacks=[mon.HBMMonitor({log_dir!r}),
-                                   mon.ThroughputMonitor({log_dir!r})])
-    print("HISTORY " + json.dumps(sorted(history.history)))
+    rss_before = psutil.Process().memory_info().rss
+    hbm = mon.HBMMonitor(log_dir)
+    history = model.fit(x, y, batch_size=batch, epochs=2, steps_per_epoch=2, verbose=0,
+                        validation_data=(x[:512], y[:512]),
+                        callbacks=[hbm, mon.ThroughputMonitor(log_dir)])
+    print("RESULT " + json.dumps({"history": history.history, "rss_before": rss_before,
+                                  "summary": hbm.summary}))
 """)
 
 
-def test_unreadable_memory_gives_one_notice_and_training_completes(tmp_path):
-    """TF_ENABLE_ONEDNN_OPTS=0: the CPU allocator keeps no statistics (read at TF start)."""
+def _fit_with_onednn_off(tmp_path, batch):
+    """Runs the script above in a fresh process with TF_ENABLE_ONEDNN_OPTS=0."""
     script = tmp_path / "onednn_off.py"
-    script.write_text(_ONEDNN_OFF_SCRIPT.format(log_dir=str(tmp_path / "logs")))
+    script.write_text(_ONEDNN_OFF_SCRIPT)
+    log_dir = tmp_path / f"logs{batch}"
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = subprocess.run([sys.executable, str(script), str(batch), str(log_dir)],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("HISTORY ")]
-    keys = json.loads(line[len("HISTORY "):])
-    assert "loss" in keys and "val_loss" in keys and "samples_per_sec" in keys
-    assert not any(k.startswith(("hbm_", "val_hbm_")) for k in keys)
-    notices = [ln for ln in done.stderr.splitlines() if "cannot read memory" in ln]
-    assert len(notices) == 1, done.stderr[-3000:]
-    assert "TF_ENABLE_ONEDNN_OPTS=0" in notices[0] and "continues" in notices[0]
-    assert "switched off" not in done.stderr
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):]), done.stderr, log_dir
+
+
+def test_host_rss_fallback_when_the_allocator_keeps_no_statistics(tmp_path):
+    """TF_ENABLE_ONEDNN_OPTS=0 (AMD/AVX2's default): memory from the process's RSS, named so.
+
+    The peak grows with the batch: at 2048 rows every Dense(2048) activation
+    is 16 MiB, at 64 rows 0.5 MiB; each batch size runs in its own fresh
+    process so that neither inherits the other's memory.
+    """
+    small, stderr, log_dir = _fit_with_onednn_off(tmp_path, 64)
+    big, _, _ = _fit_with_onednn_off(tmp_path, 2048)
+
+    history = small["history"]
+    # The History keys stay as they are, with host-RSS figures in them.
+    assert len(history["hbm_peak_gib"]) == 2 and min(history["hbm_peak_gib"]) > 0
+    assert min(history["val_hbm_peak_gib"]) > 0 and "samples_per_sec" in history
+    # Reference: the process's own RSS before fit; training only adds to it.
+    assert min(history["hbm_peak_gib"]) * devices.GIB >= 0.9 * small["rss_before"]
+    peak_small = max(history["hbm_peak_gib"]) * devices.GIB
+    peak_big = max(big["history"]["hbm_peak_gib"]) * devices.GIB
+    assert peak_big - peak_small > 2 * 16 * 2**20, (peak_small, peak_big)
+
+    # Said once, and named in the data: summary, timeline, TensorBoard, table.
+    notices = [ln for ln in stderr.splitlines() if "memory source: host RSS" in ln]
+    assert len(notices) == 1, stderr[-3000:]
+    assert "TF_ENABLE_ONEDNN_OPTS=0" in notices[0] and "not HBM" in notices[0]
+    assert "cannot read memory" not in stderr and "switched off" not in stderr
+    table = stderr[stderr.index("peak memory per device"):]
+    assert "CPU (process RSS)" in table and "host RSS (process)" in table
+    summary = small["summary"]
+    assert summary["memory_sources"] == {"CPU (process RSS)": "host_rss"}
+    info = summary["devices"]["CPU (process RSS)"]
+    assert info["process_wide"] is True and info["source"] == "host_rss"
+    assert "VmHWM" in summary["host_rss_peak"] or "between steps" in summary["host_rss_peak"]
+    memory = _timeline(log_dir, "ktm_memory")
+    assert {r["memory_source"] for r in memory} == {"host_rss"}
+    for record in memory:
+        (reading,) = record["devices"].values()
+        assert reading["source"] == "host_rss" and reading["process_wide"] is True
+        assert reading["peak_bytes"] >= reading["current_bytes"] > 0
+    events = _scalar_tags(log_dir / "ktm_memory")
+    tags = set(events.Tags()["scalars"])
+    assert {"host_rss/process/current_gib", "host_rss/process/peak_gib",
+            "host_rss_eval/process/peak_gib"} <= tags
+    assert not [t for t in tags if t.startswith("hbm")]  # host RSS is never called HBM
+    assert "host_rss" in _text(events, "memory_source")
 
 
 class _InterruptAt(keras.callbacks.Callback):
@@ -457,6 +524,35 @@ def test_batch_size_from_arrays_or_argument(log_records):
     history = model.fit(x[:500], y[:500], batch_size=128, epochs=1, verbose=0,
                         callbacks=[given])
     assert history.history["samples_per_sec"][0] > 0
+
+
+class _WatchedSequential(keras.Sequential):
+    """Records which module writes `train_function` (the engine should be the only one)."""
+
+    def __setattr__(self, name, value):
+        if name == "train_function":
+            writers = self.__dict__.setdefault("_train_function_writers", [])
+            writers.append(sys._getframe(1).f_globals.get("__name__"))
+        super().__setattr__(name, value)
+
+
+@pytest.mark.parametrize("with_engine_feature", [False, True])
+def test_throughput_monitor_leaves_train_function_to_the_engine(with_engine_feature):
+    import keras_tpu_mem as ktm
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(BATCH * 4, 64)).astype("float32")
+    y = rng.integers(0, 10, BATCH * 4).astype("int32")
+    model = _WatchedSequential([keras.Input((64,)), keras.layers.Dense(32),
+                                keras.layers.Dense(10)], name="watched")
+    _compile(model)
+    speed = mon.ThroughputMonitor()
+    callbacks = [speed] + ([ktm.GradientAccumulation(steps=2)] if with_engine_feature else [])
+    model.fit(_ds(x, y), epochs=1, verbose=0, callbacks=callbacks)
+    assert speed.summary["batch_size"] == BATCH  # from the engine's first-batch hook
+    writers = model.__dict__.get("_train_function_writers", [])
+    assert not [w for w in writers if w and w.startswith("keras_tpu_mem.monitoring")], writers
+    assert all(w.startswith(("keras", "keras_tpu_mem.engine")) for w in writers if w), writers
 
 
 # ----------------------------------------------------------- input pipeline

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 
 import keras
 import pytest
@@ -223,3 +226,97 @@ def test_sweep_rejects_a_non_dataset(digits):
     with pytest.raises(TypeError, match="tf.data.Dataset"):
         batch_size_sweep(lambda: digits_model(jit_compile=False), lambda b: (x, y), [8],
                          steps=2)
+
+
+# ------------------------------------------------------- without xprof
+def test_window_without_xprof_writes_the_capture_and_names_the_extra_once(
+        digits, tmp_path, monkeypatch, ktm_log):
+    """A base install (no [profile] extra): TensorFlow alone writes the *.xplane.pb."""
+    from keras_tpu_mem._compat import profiler as profiler_compat
+
+    for name in ("xprof", "tensorboard_plugin_profile"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import xprof` fails, as uninstalled
+    monkeypatch.setattr(profiling, "_find_converter",
+                        lambda: (None, "no XSpace converter could be imported (test)"))
+    monkeypatch.setattr(profiling, "_NOTICES", set())
+    assert profiler_compat.profile_plugin_installed() is False
+    (x, y), _ = digits
+    log_dir = str(tmp_path / "logs")
+    windows = [ProfileWindow(log_dir, steps=(1, 3)), ProfileWindow(log_dir, steps=(5, 7))]
+    digits_model(jit_compile=False).fit(x[:320], y[:320], batch_size=32, epochs=1, verbose=0,
+                                        callbacks=windows)
+    found = xplanes(log_dir)
+    assert len(found) == 2 and all(os.path.getsize(p) > 1000 for p in found)
+    for window in windows:
+        (summary,) = window.summaries
+        assert summary.step_time_ms is None and summary.peak_heap_bytes is None
+        assert 'pip install "keras-tpu-mem[profile]"' in summary.note
+        assert "tensorboard-plugin-profile" in summary.text()  # the Profile tab needs it too
+    notices = [m for m in ktm_log if "needs xprof's converters" in m]
+    assert len(notices) == 1 and 'keras-tpu-mem[profile]' in notices[0]
+
+
+# ------------------------------------------------- sweep: progress, sources
+def test_sweep_shows_progress_per_batch_size_and_keeps_framework_noise_out(digits, capfd):
+    tf_logger = logging.getLogger("tensorflow")
+    level = tf_logger.level
+
+    def noisy_build():
+        tf.get_logger().warning("framework noise from the build")
+        return digits_model(jit_compile=False)
+
+    result = batch_size_sweep(noisy_build, _digits_dataset(digits), [16, 32, 64], steps=3)
+    out, err = capfd.readouterr()
+    assert "3/3" in out and "samples/s" in out and "peak MiB" in out
+    assert "framework noise" not in out + err
+    assert tf_logger.level == level  # restored after the sweep
+    assert {r.memory_source for r in result.rows} == {"allocator"}  # oneDNN on (conftest)
+    assert "allocator" in result.table()
+
+    batch_size_sweep(lambda: digits_model(jit_compile=False), _digits_dataset(digits), [16],
+                     steps=2, verbose=0)
+    assert "1/1" not in capfd.readouterr().out
+    with pytest.raises(ValueError, match="verbose"):
+        batch_size_sweep(lambda: None, lambda b: None, [8], verbose=2)
+
+
+_ONEDNN_OFF_SWEEP = """
+import json, os
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import keras, numpy as np, tensorflow as tf
+from keras_tpu_mem import batch_size_sweep
+rng = np.random.default_rng(0)
+x = rng.random((4096, 64), dtype=np.float32); y = rng.integers(0, 10, 4096)
+
+def build():
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2048, activation="relu"),
+                              keras.layers.Dense(2048, activation="relu"), keras.layers.Dense(10)])
+    model.compile("adam", "sparse_categorical_crossentropy")
+    return model
+
+result = batch_size_sweep(build, lambda b: tf.data.Dataset.from_tensor_slices((x, y)).batch(
+    b, drop_remainder=True), [32, 2048], steps=3, verbose=0)
+print("RESULT " + json.dumps([[r.batch_size, r.peak_bytes, r.memory_source, r.status]
+                              for r in result.rows]))
+print("TABLE " + json.dumps(result.table()))
+"""
+
+
+def test_sweep_falls_back_to_host_rss_with_onednn_off():
+    """TF_ENABLE_ONEDNN_OPTS=0 (AMD/AVX2's default): the peaks are the process's RSS."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", _ONEDNN_OFF_SWEEP], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {ln.split(" ", 1)[0]: json.loads(ln.split(" ", 1)[1])
+             for ln in done.stdout.splitlines() if ln.startswith(("RESULT ", "TABLE "))}
+    (small, peak_small, source_small, ok_small), (big, peak_big, source_big, ok_big) = \
+        lines["RESULT"]
+    assert (small, big, ok_small, ok_big) == (32, 2048, "ok", "ok")
+    assert source_small == source_big == "host_rss"
+    assert peak_small > 50 * 2**20
+    # At 2048 rows each Dense(2048) activation is 16 MiB (0.25 MiB at 32): two of them at least.
+    assert peak_big - peak_small > 2 * 16 * 2**20, (peak_small, peak_big)
+    assert "host_rss" in lines["TABLE"] and "not HBM" in lines["TABLE"]
+    notices = [ln for ln in done.stderr.splitlines() if "host RSS of the whole process" in ln]
+    assert len(notices) == 1, done.stderr[-2000:]

@@ -1,3 +1,5 @@
+import json
+import os
 import subprocess
 import sys
 
@@ -117,10 +119,49 @@ def test_memory_info_and_describe(wrapper):
     # oneDNN is on by default, so the CPU allocator is readable.
     tf.constant(np.ones((256, 256), "float32")) * 2.0
     assert wrapper.memory_info()[0].peak_bytes > 0
+    assert all(r.source == "allocator" and not r.process_wide for r in wrapper.memory_info())
     text = wrapper.describe()
     assert "MirroredStrategy" in text and "replicas:  2" in text
     assert "shared host allocator" in text
+    assert "memory source: allocator" in text
     assert repr(wrapper) == "TPUStrategyWrapper(kind='CPU', device='CPU', replicas=2)"
+
+
+_ONEDNN_OFF_WRAPPER = """
+import json, os
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import keras_tpu_mem as ktm
+import tensorflow as tf
+w = ktm.TPUStrategyWrapper(logical_cpus=2)
+before = w.memory_info()
+held = tf.ones((64 * 2**20,), "float32") * 2.0   # 256 MiB kept alive
+after = w.memory_info()
+print("RESULT " + json.dumps({
+    "before": [[r.device, r.current_bytes, r.peak_bytes, r.source, r.process_wide, r.shared]
+               for r in before],
+    "after": [r.current_bytes for r in after]}))
+print("DESCRIBE " + json.dumps(w.describe()))
+"""
+
+
+def test_memory_info_falls_back_to_host_rss_with_onednn_off():
+    """TF_ENABLE_ONEDNN_OPTS=0 (AMD/AVX2's default): readings say they are host RSS."""
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", _ONEDNN_OFF_WRAPPER], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = {ln.split(" ", 1)[0]: json.loads(ln.split(" ", 1)[1])
+             for ln in done.stdout.splitlines() if ln.startswith(("RESULT ", "DESCRIBE "))}
+    before = lines["RESULT"]["before"]
+    assert [r[0] for r in before] == ["CPU:0", "CPU:1"]
+    for _, current, peak, source, process_wide, shared in before:
+        assert source == "host_rss" and process_wide and shared
+        assert peak >= current > 50 * 2**20
+    # The figures follow what the process holds: a 256 MiB tensor shows.
+    assert lines["RESULT"]["after"][0] - before[0][1] > 200 * 2**20
+    text = lines["DESCRIBE"]
+    assert "memory source: host RSS" in text and "not HBM" in text
+    assert "shared host allocator" not in text
 
 
 class TestTPUResolution:
@@ -163,3 +204,8 @@ class TestTPUResolution:
         monkeypatch.setattr(tf.distribute.cluster_resolver, "TPUClusterResolver", refuse)
         with pytest.raises(RuntimeError, match=r"A TPU was requested \(TPU_NAME="):
             ktm.TPUStrategyWrapper()
+
+
+def test_jax_only_arguments_are_refused_on_tensorflow():
+    with pytest.raises(TypeError, match="layout_map belong to the JAX backend"):
+        ktm.TPUStrategyWrapper(layout_map=object())

@@ -7,8 +7,8 @@ private modules expose. Each accessor names the versions it was checked on;
 
 xprof (`pip install "keras-tpu-mem[profile]"`, through tensorboard-plugin-profile)
 is optional: without it the capture itself still works (TensorFlow writes the
-`*.xplane.pb`), and the summary uses TensorFlow's own copy of the converter
-where that exists.
+`*.xplane.pb`), and only the summary, which needs the converters, says once
+which extra adds them.
 """
 
 from __future__ import annotations
@@ -23,14 +23,17 @@ PROFILE_EXTRA = 'pip install "keras-tpu-mem[profile]"'
 # import on an older protobuf (TensorFlow 2.19 pins protobuf 5, xprof 2.22 is
 # generated with protobuf 6), so the raw bindings are named directly.
 XSPACE_CONVERTERS = (
-    # xprof 2.19-2.22 (checked 2.22.1): the package tensorboard-plugin-profile >= 2.19 installs.
+    # xprof, which tensorboard-plugin-profile 2.22 installs (checked: xprof 2.22.1).
     ("xprof", "xprof.convert._pywrap_profiler_plugin"),
-    # tensorboard-plugin-profile <= 2.18 (before the code moved into xprof).
+    # Older tensorboard-plugin-profile releases, before the code moved into xprof
+    # (not installed here: kept for environments that pin one).
     ("tensorboard_plugin_profile",
      "tensorboard_plugin_profile.convert._pywrap_profiler_plugin"),
-    # TensorFlow's own copy (checked on TF 2.21.0); not part of its public API.
-    ("tensorflow", "tensorflow.python.profiler.internal._pywrap_profiler_plugin"),
 )
+# TensorFlow 2.21 still carries an older copy of the binding
+# (tensorflow/python/profiler/internal), but its overview page is not the JSON
+# that xprof's is (measured: json.loads fails on it), so it is not a candidate:
+# without xprof the summary says which extra adds it.
 
 # The XSpace message a `*.xplane.pb` holds.
 XSPACE_PROTOS = (
@@ -41,13 +44,13 @@ XSPACE_PROTOS = (
 )
 
 
-def find_xspace_converter(candidates=XSPACE_CONVERTERS):
+def find_xspace_converter(candidates=None):
     """`(name, xspace_to_tools_data)` of the first converter that imports.
 
     Returns `(None, reason)` where none does; `reason` lists why each failed.
     """
     errors = []
-    for name, module_name in candidates:
+    for name, module_name in XSPACE_CONVERTERS if candidates is None else candidates:
         try:
             module = importlib.import_module(module_name)
         except Exception as err:  # ImportError, protobuf VersionError, ...
@@ -58,6 +61,16 @@ def find_xspace_converter(candidates=XSPACE_CONVERTERS):
             return name, fn
         errors.append(f"{module_name}: no xspace_to_tools_data")
     return None, "no XSpace converter could be imported (" + "; ".join(errors) + ")"
+
+
+def profile_plugin_installed() -> bool:
+    """Whether TensorBoard has its Profile tab here (tensorboard-plugin-profile)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("tensorboard_plugin_profile") is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules
+        return False
 
 
 def xspace_class():
