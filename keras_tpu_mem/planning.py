@@ -34,7 +34,7 @@ import math
 import re
 import textwrap
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from keras_tpu_mem import devices
 from keras_tpu_mem._utils import check_positive_int, logger, require_tensorflow_backend
@@ -379,7 +379,9 @@ def _non_default_strategy(model):
     Keras' TensorFlow trainer records the strategy only when the model is
     created inside a `strategy.scope()`.
     """
-    return getattr(model, "_distribute_strategy", None)
+    from keras_tpu_mem._compat import keras as keras_compat
+
+    return keras_compat.model_strategy(model)
 
 
 def _host_copy(model):
@@ -425,8 +427,10 @@ def _build_for(model, xs, ys):
         return keras.KerasTensor(tuple(s.shape), s.dtype.name)
 
     data = (keras.tree.map_structure(to_keras, xs), keras.tree.map_structure(to_keras, ys))
-    if hasattr(model, "_symbolic_build"):
-        model._symbolic_build(data_batch=data)
+    from keras_tpu_mem._compat import keras as keras_compat
+
+    if keras_compat.has_symbolic_build(model):
+        keras_compat.symbolic_build(model, data)
     if not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
 
@@ -475,11 +479,13 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _state_key(model, xs, ys) -> tuple:
     import keras
 
+    from keras_tpu_mem._compat import keras as keras_compat
+
     specs = tuple((tuple(s.shape), s.dtype.name) for s in keras.tree.flatten((xs, ys)))
     variables = tuple((getattr(v, "path", v.name), tuple(v.shape), str(v.dtype))
                       for v in model.variables)
     policy = tuple(str(getattr(layer, "compute_dtype", ""))
-                   for layer in model._flatten_layers(include_self=True))
+                   for layer in keras_compat.flatten_layers(model, include_self=True))
     return (id(model.optimizer), type(model).train_step, specs, variables, policy)
 
 
@@ -657,7 +663,9 @@ def _normalise_precision(precision) -> str | None:
 
 def model_precision(model) -> str:
     """`"mixed_bfloat16"` if any layer computes in bfloat16, else `"float32"`."""
-    for layer in model._flatten_layers(include_self=True):
+    from keras_tpu_mem._compat import keras as keras_compat
+
+    for layer in keras_compat.flatten_layers(model, include_self=True):
         if str(getattr(layer, "compute_dtype", "float32")) == "bfloat16":
             return "mixed_bfloat16"
     return "float32"
@@ -953,6 +961,7 @@ def plan(
     compile_batches: Sequence[int] | None = None,
     x_spec=None,
     y_spec=None,
+    progress: Callable[[int, int, int | None], None] | None = None,
 ) -> MemoryPlan:
     """Plans one replica's memory for training `model` at `global_batch_size`.
 
@@ -987,6 +996,11 @@ def plan(
             model whose every example is already a long sequence).
         x_spec, y_spec: Data specs where the model cannot tell (see
             `compiled_memory`).
+        progress: Optional callable `progress(done, total, batch_size)`, for
+            long compiles: called before each XLA compile with the compiles
+            finished so far, the number planned and the batch about to be
+            compiled, and once after the last with `done == total` and
+            `batch_size=None`. `keras-tpu-mem plan` prints a line from it.
 
     Returns:
         A `MemoryPlan`; `print` it for the table and the recommendation.
@@ -1020,7 +1034,15 @@ def plan(
         batches = sorted({micro, *_DEFAULT_COMPILE_BATCHES})
     else:
         batches = list(_DEFAULT_COMPILE_BATCHES)
-    results = [compiler(b) for b in batches]
+    if progress is not None and not callable(progress):
+        raise TypeError(f"`progress` must be None or a callable, got {progress!r}.")
+    results = []
+    for done, batch in enumerate(batches):
+        if progress is not None:
+            progress(done, len(batches), batch)
+        results.append(compiler(batch))
+    if progress is not None:
+        progress(len(batches), len(batches), None)
     act = ActivationModel(tuple((r.batch_size, r.temp_bytes) for r in results))
     ref = results[-1]
     own_precision = model_precision(compiler.user_model)
