@@ -1,0 +1,177 @@
+"""JAX and Keras' JAX trainer internals. Versions: checked on jax 0.10.2 with Keras
+3.15.1, and against the source of Keras 3.12.0 (the lower bound in setup.cfg);
+`tests/test_compat_jax.py` calls each one by name.
+
+Only `engine/jax.py` (and the JAX tests and benchmark) import this module; it
+imports JAX lazily so that importing it costs nothing on TensorFlow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+# ---------------------------------------------------------------- shard_map
+def shard_map(fn, *, mesh, in_specs, out_specs, manual_axes):
+    """`fn` mapped over the `manual_axes` of `mesh`; its other axes stay automatic.
+
+    jax >= 0.7 (checked: 0.10.2): `jax.shard_map(..., axis_names=manual_axes,
+    check_vma=False)`. Older jax (0.4.36 is the floor of the `[jax]` extra):
+    `jax.experimental.shard_map.shard_map(..., check_rep=False, auto=<the other
+    axes>)` (that spelling is deprecated since 0.8; not exercised by the tests
+    here, which run on 0.10.2). `check_vma`/`check_rep` are off because the
+    engine makes every replicated output replicated itself (a `psum`/`pmean`/
+    `pmax` after the loop) and the loop carries values that start replicated
+    and become per-device.
+    """
+    import jax
+
+    manual = frozenset(manual_axes)
+    public = getattr(jax, "shard_map", None)
+    if public is not None:
+        return public(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                      axis_names=manual, check_vma=False)
+    from jax.experimental.shard_map import shard_map as experimental
+
+    auto = frozenset(mesh.axis_names) - manual
+    return experimental(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                        check_rep=False, auto=auto)
+
+
+# --------------------------------------------------------- Keras distribution
+def backend_mesh(device_mesh):
+    """The `jax.sharding.Mesh` of a `keras.distribution.DeviceMesh` (3.12-3.15:
+    the `DeviceMesh.backend_mesh` property, cached on the mesh, so its shardings
+    and ours name the same mesh)."""
+    return device_mesh.backend_mesh
+
+
+def state_sharding_spec(model):
+    """Shardings of `(trainable, non_trainable, optimizer, metrics)` state, read
+    from the variables' current values, as Keras' own `make_train_function`
+    passes them to `jax.jit(out_shardings=...)` (3.12-3.15:
+    `JAXTrainer._get_state_sharding_spec`). Call it before `fit` purges the
+    variables' values (i.e. from `make_train_function`)."""
+    return model._get_state_sharding_spec()
+
+
+@contextlib.contextmanager
+def tensor_layouts_for_manual_axes(distribution, manual_axes):
+    """While a `shard_map` body is traced: layer-output layouts without the manual axes.
+
+    Keras constrains a layer's output to `distribution.get_tensor_layout(path)`
+    (a `LayoutMap` entry such as `"dense/output"`) with a `NamedSharding` over
+    the whole mesh, which JAX refuses inside a `shard_map` whose batch axis is
+    manual ("Context mesh ... should match the mesh of sharding"). Inside the
+    body the same constraint is a `PartitionSpec` over the remaining automatic
+    axes, resolved against the body's mesh. (3.12-3.15: `Layer.__call__` calls
+    `distribution.get_tensor_layout(path + "/output")` and
+    `keras.src.backend.jax.distribution_lib.distribute_tensor`, which passes a
+    non-`TensorLayout` layout to `jax.lax.with_sharding_constraint` as is.)
+    """
+    from jax.sharding import PartitionSpec
+
+    manual = frozenset(manual_axes)
+    own = distribution.__dict__.get("get_tensor_layout")
+    original = distribution.get_tensor_layout
+
+    def keep(axis):
+        if isinstance(axis, (tuple, list)):
+            kept = tuple(a for a in axis if a not in manual)
+            return kept or None
+        return None if axis in manual else axis
+
+    def get_tensor_layout(path):
+        layout = original(path)
+        if layout is None:
+            return None
+        axes = getattr(layout, "axes", None)
+        if axes is None:  # already a backend sharding: its spec
+            axes = tuple(getattr(layout, "spec", ()))
+        return PartitionSpec(*(keep(axis) for axis in axes))
+
+    distribution.get_tensor_layout = get_tensor_layout
+    try:
+        yield
+    finally:
+        if own is None:
+            del distribution.get_tensor_layout
+        else:
+            distribution.get_tensor_layout = own
+
+
+# ---------------------------------------------------------------- the step
+@contextlib.contextmanager
+def losses_override(model, losses):
+    """Makes `model.losses` return `losses` (the forward pass's `add_loss` and
+    activity-regularizer terms from `stateless_call(return_losses=True)`) while
+    the compiled loss is computed, exactly as Keras' `compute_loss_and_updates`
+    does (3.12-3.15: `Layer._losses_override`)."""
+    if not losses:
+        yield
+        return
+    model._losses_override.clear()
+    model._losses_override = losses
+    try:
+        yield
+    finally:
+        model._losses_override.clear()
+
+
+def seed_generators(layer) -> list:
+    """The `keras.random.SeedGenerator`s a layer owns (3.12-3.15:
+    `Layer._seed_generators`); their `state` variables are part of the
+    model's non-trainable variables."""
+    return list(getattr(layer, "_seed_generators", None) or ())
+
+
+def is_nnx_enabled() -> bool:
+    """Whether Keras runs Flax NNX mode, where Keras' trainer uses `nnx.jit`
+    (public: `keras.config.is_nnx_enabled`, 3.12-3.15)."""
+    import keras
+
+    return bool(keras.config.is_nnx_enabled())
+
+
+def state_synced(model) -> bool:
+    """Whether Keras' JAX `fit` considers the model's variables up to date with its
+    training state (3.12-3.15: `JAXTrainer._jax_state_synced`; `jax_state_sync()`
+    sets it, and `fit` then reloads the state from the variables)."""
+    return bool(getattr(model, "_jax_state_synced", True))
+
+
+def set_state_synced(model, value: bool) -> None:
+    model._jax_state_synced = value
+
+
+def jax_state(model):
+    """`(trainable, non_trainable, optimizer, metrics)` values of a compiled model,
+    the state Keras' JAX `fit` passes to the train function (3.12-3.15:
+    `JAXTrainer._get_jax_state`, without purging the variables). For lowering
+    and compiling a step outside `fit` (benchmarks, memory analysis)."""
+    return model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                optimizer_variables=True, metrics_variables=True,
+                                purge_model_variables=False)
+
+
+def distribute_data(data):
+    """A batch placed as Keras' JAX `fit` places it under the active distribution
+    (3.12-3.15: `keras.src.backend.jax.trainer._distribute_data`): global arrays
+    sharded on the batch axis, or committed to the default device without one."""
+    from keras.src.backend.jax.trainer import _distribute_data
+
+    return _distribute_data(data)
+
+
+# ---------------------------------------------------------------- devices
+def backends_initialized() -> bool:
+    """Whether JAX has started its device backends, after which XLA_FLAGS such as
+    the host device count no longer apply (jax 0.4.36-0.10.2:
+    `jax._src.xla_bridge._backends`, empty until the first device query)."""
+    import sys
+
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", {}))

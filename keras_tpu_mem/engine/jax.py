@@ -1,0 +1,422 @@
+"""The JAX engine: the composable step as one jitted, stateless function.
+
+`engine/core.py` holds what is backend-neutral (features, registration,
+lifetime); this module builds the step on JAX, where Keras' `fit` calls
+`logs, state = model.train_function(state, iterator)` with
+`state = (trainable, non_trainable, optimizer_variables, metrics_variables)`:
+
+* **one step** (`_step`): Keras' documented JAX custom-step pattern —
+  `stateless_call` + `stateless_compute_loss` inside `jax.value_and_grad`,
+  the features' `transform_loss`, one `optimizer.stateless_apply` — and the
+  metrics' stateless updates, jitted with `donate_argnums=0` and the active
+  `keras.distribution`'s state shardings as `out_shardings`, as Keras' own
+  `make_train_function` does. Everything else (data placement, sharding of
+  the forward pass) is the distribution's, unchanged.
+* **micro-batching**: the batch is split into `k` equal micro-batches that run
+  one after another in a `lax.scan` inside the compiled step (one
+  micro-batch's activations alive at a time), gradients summed, **one**
+  optimizer update. With a data-parallel axis of more than one device the loop
+  runs inside `shard_map` over that axis only (a `ModelParallel` model axis
+  stays automatic): every device slices *its own share* of the batch, sums
+  its own gradients through the loop, and one `psum` after the loop reduces
+  them — no collective inside the loop body (on a plain `scan` over the global
+  array XLA puts the gradient all-reduce inside the loop: one per
+  micro-batch), and no resharding of the batch.
+* **"Per replica" on JAX** means per data-parallel shard: the global batch
+  divided by the size of the distribution's batch axis (`DataParallel(8)`: per
+  device; `ModelParallel` on a (2, 4) mesh: per group of 4 devices that share
+  a batch shard; no distribution: the whole batch). `GradientAccumulation`
+  splits that share.
+* **`steps_per_execution = N`**: like Keras' JAX trainer, N calls of the jitted
+  step per train-function call (a Python loop: JAX dispatches them
+  asynchronously); the last call of an epoch runs the remainder (9 steps,
+  N=4: 4, 4, 1), as the TensorFlow engine does.
+
+State is only ever Keras variables' values, so `BackupAndRestore` and
+checkpoints carry everything; nothing here keeps training state of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem.engine.core import Feature, StepContext
+
+# Odd 32-bit constant (the golden ratio's): device i's dropout seeds are
+# offset by i times it, so no two devices of a shard_map draw the same masks.
+_SEED_STRIDE = 0x9E3779B9
+
+
+# ------------------------------------------------------------- distribution
+def data_parallel_size(distribution=None) -> int:
+    """Devices along the batch axis of a `keras.distribution` (1 without one).
+
+    Args:
+        distribution: A `keras.distribution.Distribution`; the active one if None.
+
+    Returns:
+        The number of data-parallel shards the global batch is split into.
+    """
+    if distribution is None:
+        distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    mesh = distribution.device_mesh
+    names = list(mesh.axis_names)
+    if distribution.batch_dim_name not in names:
+        return 1
+    return int(mesh.shape[names.index(distribution.batch_dim_name)])
+
+
+def data_parallel_devices(distribution=None) -> list:
+    """The JAX devices that hold the batch: the distribution's, else `jax.devices()[:1]`."""
+    if distribution is None:
+        distribution = keras.distribution.distribution()
+    if distribution is None:
+        return jax.devices()[:1]
+    return list(np.asarray(distribution.device_mesh.devices).flat)
+
+
+def _leading_dim(structure) -> int | None:
+    for leaf in jax.tree_util.tree_leaves(structure):
+        shape = getattr(leaf, "shape", None)
+        if shape:
+            return int(shape[0])
+    return None
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+class JaxStep:
+    """Builds the JAX train function for an `Engine` (keras.distribution).
+
+    Attributes:
+        jitted_step: The last built `jax.jit` step `(state, data) -> (logs,
+            state)` (None before the first build, or with `run_eagerly` /
+            `jit_compile=False`), for `lower(...).compile()` (memory analysis,
+            the HLO); the train function carries it too, as `.jitted_step`.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.model = engine.model
+        self.jitted_step = None
+
+    @property
+    def features(self) -> list[Feature]:
+        return self.engine.features
+
+    # ------------------------------------------------------ engine protocol
+    def num_replicas(self) -> int:
+        """Data-parallel shards (the size of the distribution's batch axis)."""
+        return data_parallel_size()
+
+    def distribution_key(self):
+        # The object itself, compared by identity: the cache key keeps it alive,
+        # so an id can never be reused by another distribution.
+        return keras.distribution.distribution()
+
+    def global_batch_size_of_call(self, args):
+        """Always None: the data of a call `(state, iterator)` is an iterator, which
+        cannot be read without consuming it; `peek_first_call` reads and puts back."""
+        return None
+
+    def peek_first_call(self, args):
+        """Returns `(global_batch_size, args)` for a call `(state, iterator)`.
+
+        Takes the first batch from the iterator and returns args whose iterator
+        yields it again first, followed by the rest of the original iterator.
+        """
+        state, iterator = args[0], args[1]
+        first = next(iterator)
+        return _leading_dim(first), (state, itertools.chain([first], iterator), *args[2:])
+
+    # --------------------------------------------------------- loss and grads
+    def _loss(self, features, trainable, non_trainable, metrics_vars, optimizer_vars, x, y,
+              sample_weight, extras, num_micro):
+        """The loss to differentiate, as Keras' `compute_loss_and_updates` computes it,
+        with the features' loss terms, divided by `num_micro`."""
+        model = self.model
+        kwargs = {"training": True} if keras_compat.call_has_training_arg(model) else {}
+        y_pred, non_trainable, losses = model.stateless_call(
+            trainable, non_trainable, x, return_losses=True, **kwargs)
+        with jax_compat.losses_override(model, losses):
+            loss, (_, non_trainable, metrics_vars) = model.stateless_compute_loss(
+                trainable, non_trainable, metrics_vars, x=x, y=y, y_pred=y_pred,
+                sample_weight=sample_weight, training=True)
+        ctx = StepContext(model, x, y, sample_weight, y_pred, extras, num_micro)
+        mapping = [*zip(model.trainable_variables, trainable),
+                   *zip(model.non_trainable_variables, non_trainable),
+                   *zip(model.metrics_variables, metrics_vars)]
+        # Loss terms may read Keras variables (a temperature schedule): they
+        # must see this step's values, not the purged model variables.
+        with keras.StatelessScope(state_mapping=mapping):
+            for feature in features:
+                loss = feature.transform_loss(loss, ctx)
+        unscaled = loss
+        if model.optimizer is not None:
+            # LossScaleOptimizer reads its scale variable.
+            with keras.StatelessScope(state_mapping=list(zip(model.optimizer.variables,
+                                                             optimizer_vars))):
+                loss = model.optimizer.scale_loss(loss)
+        if num_micro > 1:
+            loss = loss * (1.0 / num_micro)
+        return loss, (unscaled, y_pred, non_trainable, metrics_vars)
+
+    def _update_metrics(self, metrics_vars, unscaled_loss, x, y, y_pred, sample_weight):
+        """The loss tracker and compiled metrics, updated as Keras' JAX train_step does."""
+        model = self.model
+        with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables,
+                                                         metrics_vars))) as scope:
+            batch = _leading_dim(x)
+            keras_compat.loss_tracker(model).update_state(unscaled_loss, sample_weight=batch)
+            logs = model.compute_metrics(x, y, y_pred, sample_weight)
+        new = []
+        for variable, old in zip(model.metrics_variables, metrics_vars):
+            value = scope.get_current_value(variable)
+            new.append(old if value is None else value)
+        return logs, new
+
+    def _metrics_result(self, metrics_vars):
+        model = self.model
+        with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables,
+                                                         metrics_vars))):
+            return model.get_metrics_result()
+
+    def _micro_batch_loop(self, features, trainable, non_trainable, optimizer_vars,
+                          metrics_vars, batch, num_micro):
+        """Sum of the micro-batch gradients of `batch` (its rows, split in order),
+        with the non-trainable and metric state threaded through the loop.
+
+        Returns `(gradient sums, non_trainable, metrics_vars, updated)`, where
+        `updated[i]` says whether the step writes non-trainable variable `i`
+        (learnt while the loop body is traced: Keras hands back the very input
+        value of every variable nothing assigned).
+        """
+        updated = [False] * len(non_trainable)
+        grad_fn = jax.value_and_grad(functools.partial(self._loss, features), has_aux=True)
+        micro = jax.tree_util.tree_map(
+            lambda t: t.reshape(num_micro, t.shape[0] // num_micro, *t.shape[1:]), batch)
+
+        def body(carry, micro_batch):
+            sums, non_trainable, metrics_vars = carry
+            x, y, sample_weight, extras = micro_batch
+            (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
+                                      x, y, sample_weight, extras, num_micro)
+            unscaled, y_pred, new_non_trainable, metrics_vars = aux
+            for i, (old, new) in enumerate(zip(non_trainable, new_non_trainable)):
+                updated[i] = updated[i] or new is not old
+            _, metrics_vars = self._update_metrics(metrics_vars, unscaled, x, y, y_pred,
+                                                   sample_weight)
+            sums = [s + g.astype(s.dtype) for s, g in zip(sums, grads)]
+            return (sums, list(new_non_trainable), metrics_vars), None
+
+        zeros = [jnp.zeros(w.shape, w.dtype) for w in trainable]
+        (sums, non_trainable, metrics_vars), _ = jax.lax.scan(
+            body, (zeros, list(non_trainable), list(metrics_vars)), micro)
+        return sums, non_trainable, metrics_vars, updated
+
+    # ---------------------------------------------------------------- the step
+    def _step(self, features, state, data):
+        """One update. `features` is the build's snapshot of the engine's features, so
+        that a later trace of the same step (`jitted_step.lower`) builds the same step."""
+        model = self.model
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        extras = {}
+        for feature in features:
+            data, more = feature.split_extras(data)
+            extras.update(more)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        batch = (x, y, sample_weight, extras)
+        global_batch = _leading_dim(batch)
+        if global_batch is None:
+            raise ValueError("keras_tpu_mem's engine found no batched array in the data.")
+        shards = self.num_replicas()
+        if global_batch % shards:
+            raise ValueError(
+                f"The global batch of {global_batch} does not split over the "
+                f"{shards} data-parallel devices of the active keras.distribution; "
+                f"use a global batch that is a multiple of {shards}.")
+        num_micro = _micro_batch_count(features, global_batch // shards)
+        if isinstance(num_micro, bool) or not isinstance(num_micro, (int, np.integer)):
+            raise TypeError(f"A feature returned {num_micro!r} micro-batches; the JAX "
+                            "engine needs a Python int (shapes are static under jit).")
+        num_micro = int(num_micro)
+
+        if num_micro == 1:
+            grad_fn = jax.value_and_grad(functools.partial(self._loss, features), has_aux=True)
+            (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
+                                      x, y, sample_weight, extras, 1)
+            unscaled, y_pred, non_trainable, metrics_vars = aux
+            trainable, optimizer_vars = model.optimizer.stateless_apply(
+                optimizer_vars, grads, trainable)
+            logs, metrics_vars = self._update_metrics(metrics_vars, unscaled, x, y, y_pred,
+                                                      sample_weight)
+            return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+        if shards == 1:
+            grads, non_trainable, metrics_vars, _ = self._micro_batch_loop(
+                features, trainable, non_trainable, optimizer_vars, metrics_vars, batch,
+                num_micro)
+        else:
+            grads, non_trainable, metrics_vars = self._sharded_micro_batches(
+                features, trainable, non_trainable, optimizer_vars, metrics_vars, batch, num_micro,
+                shards)
+        trainable, optimizer_vars = model.optimizer.stateless_apply(
+            optimizer_vars, grads, trainable)
+        logs = self._metrics_result(metrics_vars)
+        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
+
+    def _sharded_micro_batches(self, features, trainable, non_trainable, optimizer_vars,
+                               metrics_vars, batch, num_micro, shards):
+        """The micro-batch loop inside `shard_map` over the batch axis: one reduction
+        after the loop."""
+        model = self.model
+        distribution = keras.distribution.distribution()
+        axis = distribution.batch_dim_name
+        mesh = jax_compat.backend_mesh(distribution.device_mesh)
+        seed_ids = {id(generator.state)
+                    for layer in keras_compat.flatten_layers(model, include_self=True)
+                    for generator in jax_compat.seed_generators(layer)}
+        seeds = [id(v) in seed_ids for v in model.non_trainable_variables]
+        non_trainable_agg = [v.aggregation for v in model.non_trainable_variables]
+        metrics_agg = [v.aggregation for v in model.metrics_variables]
+
+        def local(trainable, non_trainable, optimizer_vars, metrics_vars, batch):
+            offset = (jax.lax.axis_index(axis).astype(jnp.uint32)
+                      * jnp.uint32(_SEED_STRIDE))
+            start = [_offset_seed(v, offset) if s else v
+                     for v, s in zip(non_trainable, seeds)]
+            with jax_compat.tensor_layouts_for_manual_axes(distribution, {axis}):
+                sums, local_non_trainable, local_metrics, updated = self._micro_batch_loop(
+                    features, trainable, start, optimizer_vars, metrics_vars, batch,
+                    num_micro)
+            # The one gradient reduction of the step: each device's sum of its
+            # own micro-batch gradients, averaged over the devices (every
+            # device's loss is the mean over its share, so the mean of the
+            # devices' gradients is the gradient of the global batch's loss).
+            grads = [jax.lax.psum(s, axis) / shards for s in sums]
+            local_non_trainable = [_offset_seed(v, -offset) if s else v
+                                   for v, s in zip(local_non_trainable, seeds)]
+            # A variable the step never writes (a frozen layer's weights) is
+            # handed back as it came in: averaging equal values over the
+            # devices could move it by a rounding error every step.
+            non_trainable = [_combine(axis, shards, before, after, agg) if changed else before
+                             for before, after, agg, changed in zip(
+                                 non_trainable, local_non_trainable, non_trainable_agg,
+                                 updated)]
+            metrics_vars = [_combine(axis, shards, before, after, agg)
+                            for before, after, agg in zip(metrics_vars, local_metrics,
+                                                          metrics_agg)]
+            return grads, non_trainable, metrics_vars
+
+        replicated = PartitionSpec()
+        mapped = jax_compat.shard_map(
+            local, mesh=mesh,
+            in_specs=(replicated, replicated, replicated, replicated, PartitionSpec(axis)),
+            out_specs=(replicated, replicated, replicated),
+            manual_axes={axis})
+        return mapped(list(trainable), list(non_trainable), list(optimizer_vars),
+                      list(metrics_vars), batch)
+
+    # -------------------------------------------------------- the train function
+    def build_train_function(self) -> Callable:
+        model = self.model
+        if jax_compat.is_nnx_enabled():
+            raise NotImplementedError(
+                "keras_tpu_mem's JAX engine does not support Keras' Flax NNX mode "
+                "(keras.config.is_nnx_enabled() is True); unset KERAS_NNX_ENABLED.")
+        for feature in self.features:
+            if type(feature).after_update is not Feature.after_update:
+                raise NotImplementedError(
+                    f"{type(feature).__name__} needs an after-update hook, which the "
+                    "JAX engine does not have yet; use the TensorFlow backend for it.")
+        step = functools.partial(self._step, tuple(self.features))
+        self.jitted_step = None
+        if not model.run_eagerly and model.jit_compile:
+            out_shardings = None
+            if keras.distribution.distribution() is not None:
+                out_shardings = (None, jax_compat.state_sharding_spec(model))
+            step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+            self.jitted_step = step
+        engine = self.engine
+        per_call = int(model.steps_per_execution)
+
+        def train_function(state, iterator):
+            count = engine.steps_for_this_call() or per_call
+            # A callback's `model` property syncs Keras' training state into the
+            # variables (`jax_state_sync`). If a feature reads it while the step
+            # is traced (every call with run_eagerly, or a retrace for a new
+            # shape), Keras would take the variables as current and reload the
+            # state from them next step, dropping this call's updates: the
+            # flag is put back as it was.
+            synced = jax_compat.state_synced(model)
+            try:
+                logs, state = step(state, next(iterator))
+                for _ in range(count - 1):
+                    try:
+                        data = next(iterator)
+                    except StopIteration:  # the data ended inside this call
+                        break
+                    logs, state = step(state, data)
+            except StopIteration:
+                raise
+            except Exception as error:
+                clearer = engine.explain(error)
+                if clearer is not None:
+                    raise clearer from error
+                raise
+            finally:
+                jax_compat.set_state_synced(model, synced)
+            return logs, state
+
+        train_function.jitted_step = self.jitted_step
+        return train_function
+
+
+def _micro_batch_count(features, per_replica_batch):
+    """`Engine.micro_batch_count` over a snapshot of the features."""
+    for feature in features:
+        count = feature.micro_batches(per_replica_batch)
+        if count is not None:
+            return count
+    return 1
+
+
+def _offset_seed(state, offset):
+    """A SeedGenerator state `[seed, counter]` with its seed moved by `offset` (mod 2^32)."""
+    return state.at[0].add(offset.astype(state.dtype))
+
+
+def _combine(axis, shards, before, after, aggregation):
+    """One variable's per-device values after the loop, made one replicated value.
+
+    By the variable's declared `aggregation`, as tf.distribute combines
+    per-replica values: "sum" (metric totals and counts) adds every device's
+    change; "mean" averages; "only_first_replica" takes device 0's. "none"
+    (BatchNormalization's moving statistics, seed states): floats are averaged,
+    integers (counters, equal on every device) taken as they are.
+    """
+    dtype = after.dtype
+    if aggregation == "sum":
+        return before + jax.lax.psum(after - before, axis)
+    if aggregation == "only_first_replica":
+        first = jax.lax.axis_index(axis) == 0
+        return jax.lax.psum(jnp.where(first, after, jnp.zeros_like(after)), axis)
+    if _is_float(dtype):
+        return jax.lax.psum(after, axis) / shards
+    if dtype == jnp.bool_:
+        return jax.lax.pmax(after.astype(jnp.int32), axis).astype(dtype)
+    return jax.lax.pmax(after, axis)

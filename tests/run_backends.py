@@ -1,0 +1,130 @@
+"""Runs the test suite once per Keras backend: `python tests/run_backends.py [pytest args]`.
+
+Keras reads `KERAS_BACKEND` once, when it is imported, so each backend gets its
+own `python -m pytest -q tests` process with `KERAS_BACKEND` set
+(`tests/conftest.py` then collects that backend's modules: `*_jax.py` on JAX,
+the others on TensorFlow). A backend whose framework is not installed is
+skipped with a one-line notice. Extra arguments go to every pytest run (`-x`,
+`-k expr`, test paths); `--backends jax` (or `tensorflow,jax`) picks backends.
+
+The last line is the combined count, `N passed, N failed` (`, N skipped` when
+some were skipped); failures include pytest's errors. The exit status is
+non-zero when any run fails, a run collects no test, or no backend could run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+TESTS = pathlib.Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+#: Backend -> (module that must be importable, how to install it).
+BACKENDS = {
+    "tensorflow": ("tensorflow", 'pip install -e ".[tensorflow,test]"'),
+    "jax": ("jax", 'pip install -e ".[jax,test]"'),
+}
+
+_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|"
+                    r"warnings?)")
+
+
+def parse_summary(output: str) -> dict[str, int]:
+    """Counts from pytest's last summary line (`3 passed, 1 skipped in 2.0s`)."""
+    for line in reversed(output.strip().splitlines()):
+        line = line.strip().strip("=").strip()
+        if re.search(r"\bin [\d.]+s\b", line) and _COUNT.search(line):
+            counts: dict[str, int] = {}
+            for number, kind in _COUNT.findall(line):
+                kind = {"error": "errors", "warning": "warnings"}.get(kind, kind)
+                counts[kind] = counts.get(kind, 0) + int(number)
+            return counts
+        if line.startswith("no tests ran"):
+            return {}
+    return {}
+
+
+def combined_line(runs: list[dict[str, int]]) -> str:
+    """`N passed, N failed[, N skipped]` over all runs (errors count as failed)."""
+    passed = sum(r.get("passed", 0) for r in runs)
+    failed = sum(r.get("failed", 0) + r.get("errors", 0) for r in runs)
+    skipped = sum(r.get("skipped", 0) for r in runs)
+    line = f"{passed} passed, {failed} failed"
+    return f"{line}, {skipped} skipped" if skipped else line
+
+
+def installed(backend: str) -> bool:
+    return importlib.util.find_spec(BACKENDS[backend][0]) is not None
+
+
+def run_backend(backend: str, pytest_args: list[str]) -> tuple[int, str]:
+    """Runs pytest for one backend, echoing its output; returns (exit code, output)."""
+    has_path = any(not a.startswith("-") and pathlib.Path(a.split("::")[0]).exists()
+                   for a in pytest_args)
+    command = [sys.executable, "-m", "pytest", "-q", *([] if has_path else [str(TESTS)]),
+               *pytest_args]
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    chunks = []
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as process:
+        # Character by character: pytest -q's progress dots have no newline.
+        for chunk in iter(lambda: process.stdout.read(1), ""):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+            chunks.append(chunk)
+    return process.returncode, "".join(chunks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], allow_abbrev=False,
+        epilog="Every other argument is passed to pytest.")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help="comma-separated backends to run (default: %(default)s)")
+    args, pytest_args = parser.parse_known_args(argv)
+    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in wanted if b not in BACKENDS]
+    if unknown:
+        parser.error(f"unknown backend(s) {unknown}; known: {', '.join(BACKENDS)}")
+
+    runs, summaries, failed = [], [], False
+    for backend in wanted:
+        if not installed(backend):
+            module, how = BACKENDS[backend]
+            print(f"run_backends: skipping the {backend} backend: {module} is not "
+                  f"installed ({how})", flush=True)
+            summaries.append(f"{backend}: skipped ({module} not installed)")
+            continue
+        print(f"run_backends: KERAS_BACKEND={backend} python -m pytest -q ...", flush=True)
+        start = time.monotonic()
+        code, output = run_backend(backend, pytest_args)
+        counts = parse_summary(output)
+        ran = sum(counts.get(k, 0) for k in ("passed", "failed", "errors", "skipped",
+                                              "xfailed", "xpassed"))
+        status = "ok"
+        if code == 5 or not ran:
+            status, failed = "collected no test", True
+        elif code != 0:
+            status, failed = f"pytest exit status {code}", True
+        runs.append(counts)
+        summaries.append(f"{backend}: {combined_line([counts])} in "
+                         f"{time.monotonic() - start:.0f}s ({status})")
+    if not runs:
+        print("run_backends: no backend could run: install TensorFlow or JAX", flush=True)
+        failed = True
+    print()
+    for summary in summaries:
+        print(f"run_backends: {summary}")
+    print(combined_line(runs))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""GradientAccumulation on the JAX backend: the matrix of ARCHITECTURE.md on 8 host devices.
+
+Every exactness test compares against an independent reference: a plain
+Keras `fit` (Keras' own JAX train step, no keras_tpu_mem callback) on the full
+global batch, from the same initial weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import keras
+import numpy as np
+import pytest
+from helpers_jax import (
+    RecordingDense,
+    collectives_in_loop_bodies,
+    compiled_text,
+    count_opcode,
+    make_distribution,
+    max_abs_diff,
+    mlp,
+    scope,
+    sparse_ce,
+    toy_data,
+)
+from jax.sharding import PartitionSpec
+
+from keras_tpu_mem.accumulation import GradientAccumulation
+
+GLOBAL_BATCH = 32
+STEPS = 4
+UPDATES = 5
+LR, DECAY = 1e-2, 0.9
+
+
+def _optimizer(kind):
+    schedule = keras.optimizers.schedules.ExponentialDecay(LR, decay_steps=1, decay_rate=DECAY)
+    if kind == "adam":
+        return keras.optimizers.Adam(schedule)
+    return keras.optimizers.SGD(schedule, momentum=0.9)
+
+
+def _fit(case, kind, callbacks, steps_per_execution=1, data=None, epochs=1):
+    distribution = make_distribution(case)
+    x, y = data if data is not None else toy_data(UPDATES * GLOBAL_BATCH)
+    with scope(distribution):
+        model = mlp()
+        model.compile(optimizer=_optimizer(kind), loss=sparse_ce(), metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+        # Builds metrics and optimizer outside the recorded trace (fit's own
+        # symbolic build would trace the model with the whole batch).
+        model.evaluate(x[:GLOBAL_BATCH], y[:GLOBAL_BATCH], batch_size=GLOBAL_BATCH, verbose=0)
+        RecordingDense.seen.clear()
+        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False,
+                            verbose=0, callbacks=callbacks)
+        seen = list(RecordingDense.seen)
+    return model, history, seen
+
+
+# (case, steps_per_execution) -> the batch a layer sees inside the step with
+# GradientAccumulation(4) of a global 32: the micro-batch, globally (8) or per
+# device inside shard_map (DataParallel(8): 32 / 8 / 4 = 1; ModelParallel's
+# batch axis of 2: 32 / 2 / 4 = 4), never the whole batch (32, 4 or 16).
+MATRIX = {("none", 1): (8, 32), ("dp8", 1): (1, 4), ("mp2x4", 1): (4, 16), ("dp8", 4): (1, 4)}
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd_momentum"])
+@pytest.mark.parametrize("case,spe", list(MATRIX), ids=[f"{c}-spe{s}" for c, s in MATRIX])
+def test_matches_plain_full_batch_fit(case, spe, kind):
+    plain, plain_history, plain_seen = _fit(case, kind, [], spe)
+    ours, history, seen = _fit(case, kind, [GradientAccumulation(STEPS)], spe)
+
+    assert max_abs_diff(plain.get_weights(), ours.get_weights()) <= 1e-5
+    assert int(ours.optimizer.iterations) == UPDATES
+    # The schedule counts updates, not micro-batches: decayed 5 times.
+    np.testing.assert_allclose(float(ours.optimizer.learning_rate), LR * DECAY**UPDATES,
+                               rtol=1e-6)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history.history[key], plain_history.history[key],
+                                   rtol=1e-5, atol=1e-6)
+    micro, whole_per_shard = MATRIX[(case, spe)]
+    assert {batch for batch, _ in seen} == {micro}, seen
+    assert GLOBAL_BATCH not in {b for b, _ in seen} and whole_per_shard not in {b for b, _ in seen}
+    # The plain reference really traced the whole batch (the record works).
+    assert {batch for batch, _ in plain_seen} == {GLOBAL_BATCH}
+
+
+def test_model_parallel_kernels_stay_sharded():
+    model, _, _ = _fit("mp2x4", "adam", [GradientAccumulation(STEPS)])
+    for layer in model.layers:
+        assert layer.kernel.value.sharding.spec == PartitionSpec(None, "model"), layer.name
+
+
+def test_data_parallel_step_has_no_all_reduce_inside_the_micro_batch_loop():
+    distribution = make_distribution("dp8")
+    x, y = toy_data(GLOBAL_BATCH)
+    with distribution.scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss=sparse_ce(), metrics=["accuracy"])
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
+                  callbacks=[GradientAccumulation(STEPS)])
+        text = compiled_text(model, (x, y))
+    bodies = collectives_in_loop_bodies(text)
+    assert bodies, "no while loop found in the compiled step"
+    assert all(count == 0 for count in bodies.values()), bodies
+    # The gradients are reduced after the loop, and no data moves between devices.
+    assert count_opcode(text, "all-reduce") >= 1
+    assert count_opcode(text, "all-to-all") == 0
+    assert count_opcode(text, "collective-permute") == 0
+
+
+def test_the_hlo_check_sees_an_all_reduce_inside_a_loop():
+    # Control for the test above: a scan over micro-batches of the *global*
+    # sharded array (what a plain `lax.scan` accumulation does) puts the
+    # reduction inside the loop body, and the checker must see it.
+    distribution = make_distribution("dp8")
+    sharding = distribution.get_data_layout((GLOBAL_BATCH, 16)).backend_layout
+    x = jax.device_put(np.ones((GLOBAL_BATCH, 16), "float32"), sharding)
+
+    def summed(x):
+        def body(total, micro):
+            return total + micro.sum(axis=0), None
+
+        return jax.lax.scan(body, jax.numpy.zeros(16), x.reshape(STEPS, -1, 16))[0]
+
+    text = jax.jit(summed).lower(x).compile().as_text()
+    assert any(count > 0 for count in collectives_in_loop_bodies(text).values())
+
+
+def test_backup_and_restore_resumes_to_the_uninterrupted_weights(tmp_path):
+    data = toy_data(UPDATES * GLOBAL_BATCH)
+    reference, _, _ = _fit("dp8", "adam", [GradientAccumulation(STEPS)], data=data, epochs=4)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.optimizer.iterations.value == 12:  # inside epoch 3 of 4
+                raise RuntimeError("preempted")
+
+    distribution = make_distribution("dp8")
+    x, y = data
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with distribution.scope():
+        model = mlp()
+        model.compile(optimizer=_optimizer("adam"), loss=sparse_ce(), metrics=["accuracy"])
+        with pytest.raises(RuntimeError, match="preempted"):
+            model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=4, shuffle=False, verbose=0,
+                      callbacks=[backup, Interrupt(), GradientAccumulation(STEPS)])
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=4, shuffle=False, verbose=0,
+                  callbacks=[backup, GradientAccumulation(STEPS)])
+    assert int(model.optimizer.iterations) == 4 * UPDATES
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) <= 1e-6
+
+
+def test_micro_batch_size_gives_the_same_split():
+    by_steps, _, _ = _fit("dp8", "adam", [GradientAccumulation(STEPS)])
+    by_size, _, seen = _fit("dp8", "adam", [GradientAccumulation(micro_batch_size=1)])
+    assert max_abs_diff(by_steps.get_weights(), by_size.get_weights()) <= 1e-7
+    assert {batch for batch, _ in seen} == {1}
+
+
+def test_indivisible_per_replica_batch_is_refused_naming_the_numbers():
+    x, y = toy_data(80)
+    with make_distribution("dp8").scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss=sparse_ce())
+        with pytest.raises(ValueError, match=r"per-replica batch of 5 \(global batch 40 over 8"):
+            model.fit(x, y, batch_size=40, epochs=1, verbose=0,
+                      callbacks=[GradientAccumulation(STEPS)])
+
+
+def test_optimizer_with_its_own_accumulation_is_refused():
+    x, y = toy_data(64)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(gradient_accumulation_steps=2),
+                  loss=sparse_ce())
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+                  callbacks=[GradientAccumulation(STEPS)])
+
+
+def test_micro_batches_from_the_dataset_are_refused_on_jax_for_now():
+    x, y = toy_data(64)
+    model = mlp()
+    model.compile(optimizer="adam", loss=sparse_ce())
+    with pytest.raises(NotImplementedError, match="dataset_yields='global_batches'"):
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                  callbacks=[GradientAccumulation(4, dataset_yields="micro_batches")])

@@ -1,0 +1,96 @@
+"""Every JAX / Keras-JAX internal the package reaches (`keras_tpu_mem._compat.jax`),
+called by name: a release that moves one fails here, with the accessor's name."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from helpers_jax import make_distribution, mlp, scope, sparse_ce, toy_data
+from jax.sharding import PartitionSpec
+
+from keras_tpu_mem._compat import jax as jax_compat
+
+
+def _compiled(distribution=None):
+    with scope(distribution):
+        model = mlp()
+        model.compile(optimizer="adam", loss=sparse_ce(), metrics=["accuracy"])
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_shard_map():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("batch", "model"))
+
+    def local(x):
+        return jax.lax.psum(x.sum(axis=0), "batch")
+
+    mapped = jax_compat.shard_map(local, mesh=mesh, in_specs=(PartitionSpec("batch"),),
+                                  out_specs=PartitionSpec(), manual_axes={"batch"})
+    x = jnp.arange(32.0).reshape(8, 4)
+    np.testing.assert_allclose(jax.jit(mapped)(x), np.asarray(x).sum(axis=0))
+
+
+def test_backend_mesh():
+    distribution = make_distribution("mp2x4")
+    mesh = jax_compat.backend_mesh(distribution.device_mesh)
+    assert isinstance(mesh, jax.sharding.Mesh)
+    assert tuple(mesh.axis_names) == ("batch", "model") and mesh.devices.shape == (2, 4)
+
+
+def test_state_sharding_spec():
+    model = _compiled(make_distribution("dp8"))
+    trainable, non_trainable, optimizer, metrics = jax_compat.state_sharding_spec(model)
+    assert len(trainable) == len(model.trainable_variables)
+    assert len(optimizer) == len(model.optimizer.variables)
+    assert len(metrics) == len(model.metrics_variables)
+    assert all(isinstance(s, jax.sharding.NamedSharding) for s in trainable)
+
+
+def test_losses_override():
+    model = mlp()
+    assert model.losses == []
+    with jax_compat.losses_override(model, [jnp.float32(2.0)]):
+        assert [float(v) for v in model.losses] == [2.0]
+    assert model.losses == []
+
+
+def test_seed_generators():
+    layer = keras.layers.Dropout(0.5, seed=1)
+    generators = jax_compat.seed_generators(layer)
+    assert len(generators) == 1 and isinstance(generators[0], keras.random.SeedGenerator)
+    assert jax_compat.seed_generators(keras.layers.Dense(2)) == []
+
+
+def test_is_nnx_enabled():
+    assert jax_compat.is_nnx_enabled() is False
+
+
+def test_state_synced_and_set_state_synced():
+    model = _compiled()
+    flag = jax_compat.state_synced(model)
+    assert isinstance(flag, bool)
+    jax_compat.set_state_synced(model, False)
+    assert model._jax_state_synced is False
+    jax_compat.set_state_synced(model, flag)
+
+
+def test_jax_state():
+    model = _compiled()
+    state = jax_compat.jax_state(model)
+    assert [len(part) for part in state] == [len(model.trainable_variables),
+                                             len(model.non_trainable_variables),
+                                             len(model.optimizer.variables),
+                                             len(model.metrics_variables)]
+    assert model.trainable_variables[0].value is not None  # not purged
+
+
+def test_distribute_data():
+    x, y = toy_data(32)
+    with make_distribution("dp8").scope():
+        placed_x, placed_y = jax_compat.distribute_data((x, y))
+    assert placed_x.sharding.spec == PartitionSpec("batch", None)
+    assert len(placed_x.sharding.device_set) == 8
+    np.testing.assert_array_equal(np.asarray(placed_y), y)

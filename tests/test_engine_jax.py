@@ -1,0 +1,246 @@
+"""The JAX engine (`keras_tpu_mem.engine.jax`): registration, loss terms, the
+multi-step loop, first-batch observation, random state under shard_map."""
+
+from __future__ import annotations
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+from helpers_jax import (
+    RecordingDense,
+    compiled_text,
+    make_distribution,
+    max_abs_diff,
+    mlp,
+    scope,
+    sparse_ce,
+    toy_data,
+)
+
+from keras_tpu_mem.accumulation import GradientAccumulation
+from keras_tpu_mem.engine import Engine, EngineCallback, observe_first_batch
+from keras_tpu_mem.engine.jax import JaxStep, data_parallel_size
+
+L2 = 0.1
+
+
+class KernelPenalty(EngineCallback):
+    """A loss term through `transform_loss`: L2 * sum(kernel**2) of the first layer."""
+
+    name = "kernel_penalty"
+    backends = ("tensorflow", "jax")
+
+    def transform_loss(self, loss, ctx):
+        kernel = ctx.model.layers[0].kernel
+        return loss + L2 * keras.ops.sum(keras.ops.square(kernel))
+
+
+class TensorFlowOnly(EngineCallback):
+    name = "tf_only"
+
+
+class AfterUpdate(EngineCallback):
+    name = "after"
+    backends = ("tensorflow", "jax")
+
+    def after_update(self, ctx):
+        pass
+
+
+def _compiled(model, **kwargs):
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=sparse_ce(),
+                  metrics=["accuracy"], **kwargs)
+    return model
+
+
+@pytest.mark.parametrize("case", ["none", "dp8", "mp2x4"])
+def test_engine_builds_the_jax_step_and_counts_data_parallel_shards(case):
+    distribution = make_distribution(case)
+    with scope(distribution):
+        model = _compiled(mlp())
+        step = Engine.attach(model).backend_step
+        assert isinstance(step, JaxStep)
+        assert step.num_replicas() == {"none": 1, "dp8": 8, "mp2x4": 2}[case]
+        assert data_parallel_size() == step.num_replicas()
+        assert step.distribution_key() is distribution
+
+
+@pytest.mark.parametrize("case,accumulate", [("none", False), ("dp8", False), ("dp8", True),
+                                             ("mp2x4", True)])
+def test_loss_term_equals_the_same_term_as_a_keras_regularizer(case, accumulate):
+    # Independent reference: Keras' own step with kernel_regularizer=L2(0.1) on
+    # the first layer adds exactly 0.1 * sum(kernel**2) to the loss. The term
+    # reads the kernel, a Keras variable: it must see the step's traced value.
+    x, y = toy_data()
+    distribution = make_distribution(case)
+    with scope(distribution):
+        reference = _compiled(mlp(kernel_regularizer=keras.regularizers.L2(L2)))
+        reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        ours = _compiled(mlp())
+        callbacks = [KernelPenalty()] + ([GradientAccumulation(4)] if accumulate else [])
+        history = ours.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                           callbacks=callbacks)
+    assert max_abs_diff(reference.get_weights(), ours.get_weights()) <= 1e-5
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_feature_without_jax_support_is_refused():
+    model = _compiled(mlp())
+    with pytest.raises(RuntimeError, match="works on the Keras tensorflow backend"):
+        model.fit(*toy_data(32), batch_size=32, epochs=1, verbose=0,
+                  callbacks=[TensorFlowOnly()])
+
+
+def test_after_update_hook_is_refused_on_jax():
+    model = _compiled(mlp())
+    with pytest.raises(NotImplementedError, match="after-update hook"):
+        model.fit(*toy_data(32), batch_size=32, epochs=1, verbose=0, callbacks=[AfterUpdate()])
+
+
+class _Observe(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def on_train_begin(self, logs=None):
+        observe_first_batch(self.model, self.sizes.append)
+
+
+@pytest.mark.parametrize("features", [False, True])
+def test_observing_the_first_batch_consumes_no_batch(features):
+    # Reading the first batch's size takes it from fit's iterator; the step
+    # must still train on it: same weights and update count as without.
+    x, y = toy_data()
+    distribution = make_distribution("dp8")
+    extra = [GradientAccumulation(4)] if features else []
+    with distribution.scope():
+        reference = _compiled(mlp(), steps_per_execution=2)
+        reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                      callbacks=list(extra))
+        extra = [GradientAccumulation(4)] if features else []
+        observer = _Observe()
+        model = _compiled(mlp(), steps_per_execution=2)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[observer, *extra])
+    assert observer.sizes == [32]
+    assert int(model.optimizer.iterations) == 5
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) == 0.0
+
+
+def test_last_call_of_an_epoch_runs_the_remainder():
+    # steps_per_epoch=9 with steps_per_execution=4 on endless data: 4 + 4 + 1
+    # updates per epoch (Keras' own JAX loop would run 12).
+    x, y = toy_data(32)
+
+    def endless():
+        for _ in itertools.count():
+            yield x, y
+
+    model = _compiled(mlp(), steps_per_execution=4)
+    model.fit(endless(), steps_per_epoch=9, epochs=2, verbose=0,
+              callbacks=[GradientAccumulation(4)])
+    assert int(model.optimizer.iterations) == 18
+
+
+def test_run_eagerly_matches_the_jitted_step():
+    x, y = toy_data()
+    jitted = _compiled(mlp())
+    jitted.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+               callbacks=[GradientAccumulation(4)])
+    eager = _compiled(mlp(), run_eagerly=True)
+    eager.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+              callbacks=[GradientAccumulation(4)])
+    assert eager.train_function.jitted_step is None
+    assert jitted.train_function.jitted_step is not None
+    assert max_abs_diff(jitted.get_weights(), eager.get_weights()) <= 1e-6
+
+
+def _dropout_model():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                             keras.layers.Dropout(0.5, seed=7), keras.layers.Dense(8)])
+
+
+def _seed_state(model):
+    return np.asarray(model.layers[1].seed_generator.state.value)
+
+
+def test_dropout_seed_state_under_shard_map_advances_as_without_distribution():
+    # Inside shard_map every device offsets its dropout seed (so devices draw
+    # different masks); the state handed back must be the plain counter, the
+    # same as without any distribution: 5 updates x 4 micro-batches draws.
+    x, y = toy_data()
+    states = {}
+    for case in ("none", "dp8"):
+        with scope(make_distribution(case)):
+            model = _compiled(_dropout_model())
+            start = _seed_state(model).copy()
+            history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                                callbacks=[GradientAccumulation(4)])
+            states[case] = _seed_state(model)
+            assert np.isfinite(history.history["loss"][0])
+    np.testing.assert_array_equal(states["none"], states["dp8"])
+    assert int(states["dp8"][1]) - int(start[1]) == 5 * 4
+    assert int(states["dp8"][0]) == int(start[0])
+
+
+def test_jitted_step_keeps_its_features_after_fit():
+    # `model.train_function.jitted_step.lower(...)` after fit must lower the
+    # step that ran (with micro-batching), not a step without features.
+    x, y = toy_data(32)
+    model = _compiled(mlp())
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[GradientAccumulation(4)])
+    RecordingDense.seen.clear()
+    # A new batch size, so that JAX traces the step again (64 / 4 = 16).
+    compiled_text(model, (np.concatenate([x, x]), np.concatenate([y, y])))
+    assert {batch for batch, _ in RecordingDense.seen} == {16}
+
+
+class ReadsModelWhileTraced(EngineCallback):
+    """A loss term that reads `self.model` (a Keras callback property that, on JAX,
+    syncs the training state into the variables) inside the traced step."""
+
+    name = "reads_model"
+    backends = ("tensorflow", "jax")
+
+    def transform_loss(self, loss, ctx):
+        assert self.model is ctx.model
+        return loss
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_feature_reading_its_model_while_traced_loses_no_update(accumulate):
+    # With run_eagerly the step is traced on every call: each trace syncs the
+    # state. Reference: Keras' own eager fit.
+    x, y = toy_data()
+    reference = _compiled(mlp(), run_eagerly=True)
+    reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model = _compiled(mlp(), run_eagerly=True)
+    callbacks = [ReadsModelWhileTraced()] + ([GradientAccumulation(4)] if accumulate else [])
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    assert int(model.optimizer.iterations) == 5
+    assert max_abs_diff(reference.get_weights(), model.get_weights()) <= 1e-5
+
+
+def test_frozen_and_batch_norm_state_under_shard_map():
+    # A frozen layer's weights (non-trainable, never written) come back bit for
+    # bit; BatchNormalization's moving statistics (written on every device)
+    # are combined into one finite replicated value that moved.
+    x, y = toy_data()
+    keras.utils.set_random_seed(4)
+    with make_distribution("dp8").scope():
+        frozen = keras.layers.Dense(32, name="frozen")
+        model = keras.Sequential([keras.Input((16,)), frozen,
+                                  keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(8)])
+        frozen.trainable = False
+        _compiled(model)
+        kernel = np.asarray(frozen.kernel.value).copy()
+        moving_mean = np.asarray(model.layers[1].moving_mean.value).copy()
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[GradientAccumulation(2)])
+    np.testing.assert_array_equal(np.asarray(frozen.kernel.value), kernel)
+    after = np.asarray(model.layers[1].moving_mean.value)
+    assert np.all(np.isfinite(after)) and not np.allclose(after, moving_mean)

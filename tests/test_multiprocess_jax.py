@@ -1,0 +1,70 @@
+"""Two processes x 2 devices on localhost (`keras.distribution.initialize`, gloo CPU
+collectives) against one process x 4 devices, with GradientAccumulation(4)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+WORKER = pathlib.Path(__file__).resolve().parent / "multiprocess_worker_jax.py"
+TIMEOUT_S = 300  # each cluster; a hung collective fails the test instead of the suite
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cluster(tmp_path, num_processes, devices):
+    port = _free_port()
+    outs = [tmp_path / f"p{num_processes}_{i}.npz" for i in range(num_processes)]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    logs = [open(tmp_path / f"p{num_processes}_{i}.log", "w") for i in range(num_processes)]
+    processes = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(num_processes),
+                                   str(devices), str(port), str(out)],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+                 for i, (out, log) in enumerate(zip(outs, logs))]
+    try:
+        for process in processes:
+            process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a {num_processes}-process cluster did not finish in {TIMEOUT_S}s")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for log in logs:
+            log.close()
+    for i, process in enumerate(processes):
+        if process.returncode != 0:
+            text = (tmp_path / f"p{num_processes}_{i}.log").read_text()[-3000:]
+            pytest.fail(f"process {i} of {num_processes} failed:\n{text}")
+    results = []
+    for out in outs:
+        with np.load(out) as data:
+            results.append({"weights": [data[f"arr_{i}"] for i in range(len(data.files) - 2)],
+                            "iterations": int(data["iterations"]),
+                            "devices": int(data["devices"])})
+    return results
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+def test_two_processes_give_the_weights_of_one_process_with_the_same_devices(tmp_path):
+    single = _cluster(tmp_path, 1, 4)[0]
+    pair = _cluster(tmp_path, 2, 2)
+    assert single["devices"] == 4 and all(r["devices"] == 4 for r in pair)
+    assert single["iterations"] == 5 and all(r["iterations"] == 5 for r in pair)
+    assert _max_diff(pair[0]["weights"], pair[1]["weights"]) == 0.0
+    assert _max_diff(pair[0]["weights"], single["weights"]) <= 1e-5

@@ -1,0 +1,145 @@
+"""MixedBFloat16 on the JAX backend, under DataParallel over 8 host devices, on digits."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from helpers_jax import RecordingDense, make_distribution, max_abs_diff
+
+from keras_tpu_mem.accumulation import GradientAccumulation
+from keras_tpu_mem.precision import MixedBFloat16, device_notice
+
+BATCH = 64  # every batch (the last validation one too) divides by the 8 devices
+EPOCHS = 12
+
+
+class OutputDtype(keras.metrics.Metric):
+    """Records the dtype of `y_pred` (the model's output as the loss sees it) when traced."""
+
+    seen: list = []
+
+    def __init__(self):
+        super().__init__(name="output_dtype")
+        self.calls = self.add_variable(shape=(), initializer="zeros", name="calls")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        OutputDtype.seen.append(keras.backend.standardize_dtype(y_pred.dtype))
+        self.calls.assign_add(1.0)
+
+    def result(self):
+        return keras.ops.convert_to_tensor(self.calls)
+
+
+class VariableDtypes(keras.callbacks.Callback):
+    """Every variable's dtype (model and optimizer), read during the fit."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def on_train_batch_end(self, batch, logs=None):
+        model = self.model
+        self.dtypes |= {keras.backend.standardize_dtype(v.dtype)
+                        for v in [*model.variables, *model.optimizer.variables]
+                        if keras.backend.is_float_dtype(v.dtype)}
+
+
+def _digits_model():
+    keras.utils.set_random_seed(5)
+    return keras.Sequential([
+        keras.Input((64,)),
+        RecordingDense(128, activation="relu", name="dense_hidden"),
+        keras.layers.Dense(128, activation="relu", name="dense_hidden_2"),
+        keras.layers.Dense(10, name="dense_head"),
+    ])
+
+
+def _fit(digits, callbacks):
+    (x, y), (x_val, y_val) = digits
+    x, y = x[:22 * BATCH], y[:22 * BATCH]
+    x_val, y_val = x_val[:352], y_val[:352]  # batches of 64 and a last one of 32
+    with make_distribution("dp8").scope():
+        model = _digits_model()
+        model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy", OutputDtype()])
+        # Builds metrics and optimizer before the record starts (fit's own
+        # symbolic build traces the model before any callback runs).
+        model.evaluate(x_val[:BATCH], y_val[:BATCH], batch_size=BATCH, verbose=0)
+        RecordingDense.seen.clear()
+        OutputDtype.seen.clear()
+        dtypes = VariableDtypes()
+        history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0,
+                            validation_data=(x_val, y_val),
+                            callbacks=[*callbacks, dtypes])
+        # What fit traced (training and validation), before predict traces again.
+        record = {
+            "hidden": {dtype for _, dtype in RecordingDense.seen},
+            "outputs": set(OutputDtype.seen),
+            "variables": dtypes.dtypes,
+            "val_accuracy": history.history["val_accuracy"][-1],
+        }
+        predictions = model.predict(x_val, batch_size=BATCH, verbose=0)
+    return model, predictions, record
+
+
+@pytest.fixture(scope="module")
+def float32_run(digits):
+    return _fit(digits, [])
+
+
+def test_mixed_bfloat16_under_data_parallel_on_digits(digits, float32_run):
+    _, reference_predictions, reference = float32_run
+    model, predictions, record = _fit(digits, [MixedBFloat16()])
+    assert reference["hidden"] == {"float32"}
+    # During fit: the hidden layer computes in bfloat16, the loss sees float32
+    # logits, every variable (weights, optimizer slots) stays float32.
+    assert record["hidden"] == {"bfloat16"}
+    assert record["outputs"] == {"float32"}
+    assert record["variables"] == {"float32"}
+    # After fit the model has its float32 policies back: float32 predictions.
+    assert predictions.dtype == np.float32
+    assert all(layer.compute_dtype == "float32" for layer in model.layers)
+    assert abs(record["val_accuracy"] - reference["val_accuracy"]) <= 0.02
+    assert reference["val_accuracy"] > 0.9
+    assert reference_predictions.dtype == np.float32
+
+
+def test_mixed_bfloat16_with_accumulation_and_keep_after_fit(digits, float32_run):
+    _, _, reference = float32_run
+    callback = MixedBFloat16(keep_after_fit=True)
+    model, predictions, record = _fit(digits, [GradientAccumulation(2), callback])
+    assert record["variables"] == {"float32"}
+    assert record["hidden"] == {"bfloat16"} and record["outputs"] == {"float32"}
+    # Kept: hidden layers bfloat16, the head float32, outputs float32.
+    assert model.layers[0].compute_dtype == "bfloat16"
+    assert model.layers[-1].compute_dtype == "float32"
+    assert predictions.dtype == np.float32
+    assert abs(record["val_accuracy"] - reference["val_accuracy"]) <= 0.02
+    callback.restore(model)
+    assert model.layers[0].compute_dtype == "float32"
+
+
+def test_output_layer_forward_is_exactly_float32(digits):
+    # The head's float32 forward pass with a bfloat16 backward: its value is
+    # that of a plain float32 head on the same (bfloat16) input.
+    (x, _), _ = digits
+    model = _digits_model()
+    callback = MixedBFloat16()
+    callback.install(model)
+    try:
+        hidden = keras.Sequential(model.layers[:-1])(x[:64])
+        head = model.layers[-1]
+        got = head(hidden)
+        expected = hidden.astype("float32") @ head.kernel.value + head.bias.value
+    finally:
+        callback.uninstall(model)
+    assert keras.backend.standardize_dtype(got.dtype) == "float32"
+    assert max_abs_diff([got], [expected]) <= 1e-5
+
+
+def test_device_notice_on_jax_cpu():
+    notice = device_notice()
+    assert notice is not None and notice.startswith("bfloat16 on CPU")
+    assert device_notice(make_distribution("dp8")) == notice
