@@ -3,91 +3,98 @@
 Public names are flat: `import keras_tpu_mem as ktm; ktm.TPUStrategyWrapper()`.
 The package does not choose a Keras backend; its training features need the
 TensorFlow backend and say so when another is active.
+
+Importing the package loads none of its modules: each public name is loaded from its
+module on first use (PEP 562). That keeps `keras-tpu-mem --help` free of
+TensorFlow's start-up cost and log lines, and lets the framework-free parts
+(`HBM_TABLE`, `lookup_tpu`, the command line) work with any Keras backend or
+none installed.
 """
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
 
 __version__ = "0.1.0.dev0"
 
-try:
-    import tensorflow as _tf  # noqa: F401
-except ImportError as _err:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "keras_tpu_mem needs TensorFlow. Install it with "
-        "`pip install keras-tpu-mem[tensorflow]` (or [cpu] for tensorflow-cpu); on a "
-        "TPU VM install `tensorflow-tpu` as Google's TPU guide says."
-    ) from _err
+# Public name -> the submodule that defines it. The one table both `__getattr__`
+# and `__all__` read, so a name cannot be exported without a home.
+_EXPORTS = {
+    "GradientAccumulation": "accumulation",
+    "AcceleratorSpec": "devices",
+    "HBM_TABLE": "devices",
+    "MemoryReading": "devices",
+    "lookup_tpu": "devices",
+    "Distillation": "distillation",
+    "cache_teacher_logits": "distillation",
+    "distillation_kl": "distillation",
+    "load_teacher_logits": "distillation",
+    "prepare_student": "distillation",
+    "strip_teacher_logits": "distillation",
+    "HBMMonitor": "monitoring",
+    "InputRate": "monitoring",
+    "ThroughputMonitor": "monitoring",
+    "measure_input_rate": "monitoring",
+    "CompiledMemory": "planning",
+    "MemoryPlan": "planning",
+    "compiled_memory": "planning",
+    "plan": "planning",
+    "MixedBFloat16": "precision",
+    "PrecisionReport": "precision",
+    "PrecisionRow": "precision",
+    "device_notice": "precision",
+    "enable_mixed_bfloat16": "precision",
+    "precision_report": "precision",
+    "to_mixed_bfloat16": "precision",
+    "ProfileSummary": "profiling",
+    "ProfileWindow": "profiling",
+    "SweepResult": "profiling",
+    "batch_size_sweep": "profiling",
+    "ConstantSparsity": "pruning",
+    "PolynomialDecay": "pruning",
+    "Pruning": "pruning",
+    "PruningSchedule": "pruning",
+    "SparsityReport": "pruning",
+    "sparsity_report": "pruning",
+    "strip_pruning": "pruning",
+    "write_report": "report",
+    "TPUStrategyWrapper": "strategy",
+}
 
-from keras_tpu_mem.accumulation import GradientAccumulation
-from keras_tpu_mem.devices import HBM_TABLE, AcceleratorSpec, MemoryReading, lookup_tpu
-from keras_tpu_mem.distillation import (
-    Distillation,
-    cache_teacher_logits,
-    distillation_kl,
-    load_teacher_logits,
-    prepare_student,
-    strip_teacher_logits,
-)
-from keras_tpu_mem.monitoring import HBMMonitor, InputRate, ThroughputMonitor, measure_input_rate
-from keras_tpu_mem.planning import CompiledMemory, MemoryPlan, compiled_memory, plan
-from keras_tpu_mem.precision import (
-    MixedBFloat16,
-    PrecisionReport,
-    PrecisionRow,
-    device_notice,
-    enable_mixed_bfloat16,
-    precision_report,
-    to_mixed_bfloat16,
-)
-from keras_tpu_mem.profiling import ProfileSummary, ProfileWindow, SweepResult, batch_size_sweep
-from keras_tpu_mem.pruning import (
-    ConstantSparsity,
-    PolynomialDecay,
-    Pruning,
-    PruningSchedule,
-    SparsityReport,
-    sparsity_report,
-    strip_pruning,
-)
-from keras_tpu_mem.report import write_report
-from keras_tpu_mem.strategy import TPUStrategyWrapper
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "Distillation",
-    "GradientAccumulation",
-    "HBMMonitor",
-    "HBM_TABLE",
-    "InputRate",
-    "AcceleratorSpec",
-    "CompiledMemory",
-    "ConstantSparsity",
-    "MemoryPlan",
-    "MemoryReading",
-    "MixedBFloat16",
-    "PolynomialDecay",
-    "PrecisionReport",
-    "ProfileSummary",
-    "ProfileWindow",
-    "Pruning",
-    "PruningSchedule",
-    "SparsityReport",
-    "PrecisionRow",
-    "SweepResult",
-    "TPUStrategyWrapper",
-    "ThroughputMonitor",
-    "batch_size_sweep",
-    "cache_teacher_logits",
-    "compiled_memory",
-    "device_notice",
-    "distillation_kl",
-    "enable_mixed_bfloat16",
-    "load_teacher_logits",
-    "lookup_tpu",
-    "measure_input_rate",
-    "plan",
-    "precision_report",
-    "prepare_student",
-    "sparsity_report",
-    "strip_pruning",
-    "strip_teacher_logits",
-    "to_mixed_bfloat16",
-    "write_report",
-]
+_NEEDS_TENSORFLOW = (
+    "{what} needs TensorFlow, which is not installed. Install it with "
+    "`pip install keras-tpu-mem[tensorflow]` (or [cpu] for tensorflow-cpu); on a TPU VM "
+    "install `tensorflow-tpu` as Google's TPU guide says."
+)
+
+
+def _load(module_name: str, what: str):
+    try:
+        return importlib.import_module(f"{__name__}.{module_name}")
+    except ModuleNotFoundError as err:
+        # The eager `import tensorflow` this package used to do gave this hint at
+        # import time; now the module that needs TensorFlow gives it, naming
+        # what was asked for.
+        if (err.name or "").split(".")[0] == "tensorflow":
+            raise ImportError(_NEEDS_TENSORFLOW.format(what=what)) from err
+        raise
+
+
+def __getattr__(name: str):
+    module_name = _EXPORTS.get(name)
+    if module_name is not None:
+        value = getattr(_load(module_name, f"keras_tpu_mem.{name}"), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    # Submodules (`ktm.planning`, `ktm.engine`, ...) were attributes of the
+    # package when it imported them eagerly; keep that working.
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return _load(name, f"keras_tpu_mem.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,9 +1,93 @@
-"""The `keras-tpu-mem` command line."""
+"""The `keras-tpu-mem` command line.
+
+Arguments are parsed before any framework is imported: `--help` and usage
+errors answer at once, without TensorFlow's (or JAX's) start-up time and log
+lines. A command that needs the framework loads it after parsing, with the
+framework's native start-up logging kept out of the command's own output.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import tempfile
+import time
+
+# Native log levels the CLI sets when the user has not: TensorFlow's C++ logging
+# prints INFO lines (oneDNN, CPU features, CUDA stubs) and, on a machine without
+# a GPU, an ERROR about cuInit that is noise for this tool. "3" keeps only
+# FATAL; real failures still surface as Python exceptions, which the CLI reports.
+_QUIET_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def _frameworks_loaded() -> bool:
+    return any(name in sys.modules for name in ("keras", "tensorflow", "jax"))
+
+
+def quiet_framework_env(environ=None) -> bool:
+    """Sets the quiet log levels of `_QUIET_ENV` that the user has not set.
+
+    Only in the CLI's own process, and only before a framework is imported
+    (afterwards the variables would change nothing and only leak into a host
+    process such as a test runner). A value the user set is never overridden.
+
+    Returns:
+        True when the CLI took over the frameworks' native logging (nothing in
+        `_QUIET_ENV` was set by the user), i.e. when start-up noise may be held
+        back; False when the user asked for their own levels.
+    """
+    environ = os.environ if environ is None else environ
+    if environ is os.environ and _frameworks_loaded():
+        return False
+    user_set = [name for name in _QUIET_ENV if name in environ]
+    for name, value in _QUIET_ENV.items():
+        environ.setdefault(name, value)
+    return not user_set
+
+
+@contextlib.contextmanager
+def _native_stderr_held():
+    """Holds what is written to file descriptor 2 meanwhile; replays it if the block fails.
+
+    TensorFlow's shared libraries log a few lines through absl *before* its
+    logging is initialised ("All log messages before absl::InitializeLog() ...",
+    oneDNN and CUDA-stub notices); those ignore TF_CPP_MIN_LOG_LEVEL, so the only
+    way to keep them out of the CLI's output is to catch the file descriptor
+    while the framework loads. If loading fails, what was held is written out:
+    it may explain why.
+    """
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2 (closed, or an unusual host)
+        yield
+        return
+    held = tempfile.TemporaryFile()
+    ok = False
+    try:
+        os.dup2(held.fileno(), 2)
+        yield
+        ok = True
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        if not ok:
+            held.seek(0)
+            sys.stderr.write(held.read().decode("utf-8", errors="replace"))
+            sys.stderr.flush()
+        held.close()
+
+
+def load_framework(quiet: bool) -> None:
+    """Imports Keras (and with it its backend), holding back native start-up noise if `quiet`."""
+    if "keras" in sys.modules:
+        return
+    with _native_stderr_held() if quiet else contextlib.nullcontext():
+        import keras  # noqa: F401  (imports the backend: TensorFlow by default)
 
 
 def _devices(args: argparse.Namespace) -> int:
@@ -26,21 +110,64 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CompileProgress:
+    """`plan`'s progress callback: one line per XLA compile on stderr, with its time.
+
+    Compiling a large model's train step takes minutes on a CPU (BERT-Large:
+    about 50 s per compile); these lines say what is going on and how long each
+    compile took, on stderr so that stdout stays the plan itself.
+    """
+
+    def __init__(self):
+        self._started = None
+
+    @staticmethod
+    def say(text):
+        print(f"keras-tpu-mem plan: {text}", file=sys.stderr, flush=True)
+
+    def __call__(self, done: int, total: int, batch_size: int | None) -> None:
+        now = time.perf_counter()
+        if done and self._started is not None:
+            self.say(f"[{done}/{total}] compiled in {now - self._started:.1f} s")
+        if batch_size is not None:
+            self.say(f"[{done + 1}/{total}] compiling the train step with XLA at "
+                      f"batch {batch_size} ...")
+        self._started = now
+
+
 def _plan(args: argparse.Namespace) -> int:
     from keras_tpu_mem.planning import load_model_factory, plan
 
+    progress = _CompileProgress()
+    progress.say(f"building the model from {args.model} ...")
     model = load_model_factory(args.model)()
-    compile_batches = None
-    if args.compile_batches:
-        try:
-            compile_batches = [int(b) for b in args.compile_batches.split(",") if b.strip()]
-        except ValueError as err:
-            raise ValueError("--compile-batches must be comma-separated ints such as 1,2; "
-                             f"got {args.compile_batches!r}.") from err
     print(plan(model, args.global_batch, device=args.device,
                accumulation_steps=args.accumulation_steps, precision=args.precision,
-               headroom=args.headroom, compile_batches=compile_batches))
+               headroom=args.headroom, compile_batches=args.compile_batches,
+               progress=progress))
     return 0
+
+
+def _batch_list(text: str) -> list[int]:
+    """argparse type of --compile-batches: a usage error, before any framework loads."""
+    try:
+        batches = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated ints >= 1 such as 1,4; got {text!r}")
+    return batches
+
+
+def _model_spec(text: str) -> str:
+    """argparse type of --model: checks the MODULE:FUNCTION form without importing it."""
+    module, sep, function = text.rpartition(":")
+    if not sep or not module or not function.isidentifier():
+        raise argparse.ArgumentTypeError(
+            "must be MODULE:FUNCTION, e.g. examples.bert_memory:build_model or "
+            f"path/to/file.py:build_model; got {text!r}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan", help="per-replica memory plan from XLA's compile of the train step"
     )
-    plan.add_argument("--model", required=True,
+    plan.add_argument("--model", required=True, type=_model_spec,
                       help="MODULE:FUNCTION (or path/file.py:FUNCTION) returning a compiled "
                            "keras.Model")
     plan.add_argument("--global-batch", type=int, required=True,
@@ -78,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="float32 or mixed_bfloat16 (default: as the model is)")
     plan.add_argument("--headroom", type=float, default=0.10,
                       help="fraction of memory kept free (default: 0.10)")
-    plan.add_argument("--compile-batches", default=None,
+    plan.add_argument("--compile-batches", type=_batch_list, default=None,
                       help="comma-separated batches to compile, e.g. 1,2 (default: 32,64)")
     plan.set_defaults(func=_plan)
     return parser
@@ -86,10 +213,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)  # --help and usage errors end here, framework-free
+    except SystemExit as done:
+        # argparse has printed the help or the usage error; give its status back
+        # like every other outcome (0 for --help, 2 for a usage error).
+        return done.code if isinstance(done.code, int) else 2
+    quiet = quiet_framework_env()
+    try:
+        # Every command reaches Keras (report reads the monitors' log format from
+        # keras_tpu_mem.monitoring, which imports it), so load it here, once,
+        # with its start-up noise held back.
+        load_framework(quiet)
         return args.func(args)
-    except (ValueError, TypeError, RuntimeError) as err:
+    except (ValueError, TypeError, RuntimeError, ImportError) as err:
         print(f"keras-tpu-mem {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,170 @@
+"""Every Python block of README.md runs as pasted, from a folder outside the repository.
+
+Each block runs in its own interpreter (a reader pastes one block into a fresh
+session), from an empty temporary folder (so a relative path into the
+repository would fail), with the Keras TensorFlow backend. A block that must not
+run is marked right before its fence with `<!-- not-run: why -->`, and the
+reason is required.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+_FENCE = re.compile(r"^```(\S*)\s*$")
+_MARKER = re.compile(r"^<!--\s*not-run:(.*?)-->\s*$")
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
+
+
+class Block:
+    def __init__(self, code: str, line: int, section: str, skip_reason: str | None):
+        # line: 1-based line of the opening fence, as an editor shows it
+        self.code, self.line, self.section, self.skip_reason = code, line, section, skip_reason
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", self.section.lower()).strip("-") or "top"
+
+
+def python_blocks(text: str) -> list[Block]:
+    """The ```python blocks of a Markdown text, each with its section and not-run marker.
+
+    A `<!-- not-run: ... -->` marker counts for the block whose fence follows it
+    (blank lines between are allowed); a marker with no reason is an error, as
+    is one that no Python block follows.
+    """
+    lines = text.splitlines()
+    blocks, section, marker, i = [], "", None, 0
+    while i < len(lines):
+        line = lines[i]
+        fence = _FENCE.match(line)
+        if fence:
+            language = fence.group(1)
+            start = i + 1
+            i += 1
+            while i < len(lines) and not lines[i].startswith("```"):
+                i += 1
+            if i == len(lines):
+                raise ValueError(f"README line {start}: a ``` fence that is never closed")
+            if language == "python":
+                blocks.append(Block("\n".join(lines[start:i]) + "\n", start, section,
+                                    marker[1] if marker else None))
+            elif marker:
+                raise ValueError(f"README line {marker[0]}: a not-run marker before a "
+                                 f"{language or 'plain'} block, not a Python block")
+            marker = None
+        elif (m := _MARKER.match(line)) is not None:
+            reason = m.group(1).strip()
+            if not reason:
+                raise ValueError(f"README line {i + 1}: `<!-- not-run: -->` must say why "
+                                 "the block does not run")
+            marker = (i + 1, reason)
+        elif line.strip():
+            if marker:
+                raise ValueError(f"README line {marker[0]}: a not-run marker must come "
+                                 "right before the block it marks")
+            if (h := _HEADING.match(line)) is not None:
+                section = h.group(1)
+        i += 1
+    if marker:
+        raise ValueError(f"README line {marker[0]}: a not-run marker with no block after it")
+    return blocks
+
+
+BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+
+
+def _ids(blocks):
+    """Section slugs, numbered within a section that has several blocks (stable under edits
+    elsewhere in the README, unlike line numbers)."""
+    seen, ids = {}, []
+    for block in blocks:
+        seen[block.slug] = seen.get(block.slug, 0) + 1
+        ids.append(block.slug if seen[block.slug] == 1 else f"{block.slug}-{seen[block.slug]}")
+    return ids
+
+# What a block's output must show, beyond exiting 0: the claims the README makes
+# about it (keyed by the start of its section's heading).
+EXPECTED = {
+    "Quickstart": [(r"validation accuracy: (0\.\d+)", lambda acc: float(acc) >= 0.95)],
+    "Will it fit?": [(r"fits: NO", None), (r"-> fits with accumulation_steps=2 ", None),
+                     (r"bf16 compute .* fits: yes", None)],
+    "Pruning": [(r"total .* 80\.00%", None)],
+}
+
+
+def _run(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["KERAS_BACKEND"] = "tensorflow"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # The package under test is this checkout (also when it is not installed);
+    # the block still runs from `cwd`, outside the repository.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    script = cwd / "block.py"
+    script.write_text(code, encoding="utf-8")
+    # The timeout only guards against a hang; nothing asserts on time.
+    return subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_readme_has_the_python_blocks_this_test_runs():
+    sections = [b.section for b in BLOCKS]
+    assert len(BLOCKS) >= 6, sections
+    for name in ("Quickstart", "Gradient accumulation", "Will it fit?"):
+        assert any(s.startswith(name) for s in sections), (name, sections)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=_ids(BLOCKS))
+def test_readme_block_runs_as_pasted(block, tmp_path):
+    if block.skip_reason is not None:
+        pytest.skip(f"marked not-run in README: {block.skip_reason}")
+    result = _run(block.code, tmp_path)
+    assert result.returncode == 0, (
+        f"README block at line {block.line} ({block.section}) failed:\n"
+        f"{result.stderr[-4000:]}")
+    # A block that feeds fit a tf.data pipeline passes shuffle=False (the pipeline
+    # shuffles, or is stand-in data); Keras would otherwise warn that it ignores it.
+    assert "`shuffle=True` was passed" not in result.stderr, block.section
+    for section, checks in EXPECTED.items():
+        if not block.section.startswith(section):
+            continue
+        for pattern, check in checks:
+            match = re.search(pattern, result.stdout)
+            assert match, (f"README block at line {block.line}: {pattern!r} not in its "
+                           f"output:\n{result.stdout[-3000:]}")
+            if check is not None:
+                assert check(*match.groups()), match.group(0)
+
+
+# ----------------------------------------------------- the extraction itself
+def test_extraction_finds_python_blocks_with_their_sections_and_markers():
+    text = "\n".join([
+        "# Title", "", "## First", "```python", "a = 1", "```", "```bash", "ls", "```",
+        "## Second", "<!-- not-run: needs a TPU -->", "", "```python", "b = 2", "```",
+    ])
+    blocks = python_blocks(text)
+    assert [(b.code, b.section, b.skip_reason) for b in blocks] == [
+        ("a = 1\n", "First", None), ("b = 2\n", "Second", "needs a TPU")]
+    assert blocks[0].line == 4  # the line of its opening fence
+
+
+@pytest.mark.parametrize("text, message", [
+    ("<!-- not-run: -->\n```python\nx\n```", "must say why"),
+    ("<!-- not-run:   -->\n```python\nx\n```", "must say why"),
+    ("<!-- not-run: slow -->\nsome prose\n```python\nx\n```", "right before"),
+    ("<!-- not-run: slow -->\n```bash\nls\n```", "not a Python block"),
+    ("```python\nx = 1\n", "never closed"),
+    ("text\n<!-- not-run: slow -->\n", "no block after it"),
+])
+def test_extraction_refuses_bad_markers(text, message):
+    with pytest.raises(ValueError, match=message):
+        python_blocks(text)
