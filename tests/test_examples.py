@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# Each test runs an example as a script for tens of seconds: the keras-nightly CI
+# line deselects them (`-m "not slow"`); the full lines run them.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ACCURACY_LINE = re.compile(r"^(?P<who>.*?(distilled|alone).*?):\s+(?P<mean>[01]\.\d{4}) ± "

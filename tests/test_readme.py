@@ -2,9 +2,11 @@
 
 Each block runs in its own interpreter (a reader pastes one block into a fresh
 session), from an empty temporary folder (so a relative path into the
-repository would fail), with the Keras TensorFlow backend. A block that must not
-run is marked right before its fence with `<!-- not-run: why -->`, and the
-reason is required.
+repository would fail), with the Keras TensorFlow backend. A block that sets
+`os.environ["KERAS_BACKEND"] = "jax"` itself is a JAX block: it runs in the JAX
+test process (`tests/test_readme_jax.py`), not here. A block that must not run
+is marked right before its fence with `<!-- not-run: why -->`, and the reason
+is required.
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ README = ROOT / "README.md"
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _MARKER = re.compile(r"^<!--\s*not-run:(.*?)-->\s*$")
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$")
+_JAX_BLOCK = re.compile(r"""os\.environ\[["']KERAS_BACKEND["']\]\s*=\s*["']jax["']""")
 
 
 class Block:
     def __init__(self, code: str, line: int, section: str, skip_reason: str | None):
         # line: 1-based line of the opening fence, as an editor shows it
         self.code, self.line, self.section, self.skip_reason = code, line, section, skip_reason
+
+    @property
+    def backend(self) -> str:
+        return "jax" if _JAX_BLOCK.search(self.code) else "tensorflow"
 
     @property
     def slug(self) -> str:
@@ -80,7 +87,8 @@ def python_blocks(text: str) -> list[Block]:
     return blocks
 
 
-BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+ALL_BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [b for b in ALL_BLOCKS if b.backend == "tensorflow"]
 
 
 def _ids(blocks):
@@ -102,9 +110,9 @@ EXPECTED = {
 }
 
 
-def _run(code: str, cwd: Path) -> subprocess.CompletedProcess:
+def _run(code: str, cwd: Path, backend: str = "tensorflow") -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env["KERAS_BACKEND"] = "tensorflow"
+    env["KERAS_BACKEND"] = backend
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # The package under test is this checkout (also when it is not installed);
     # the block still runs from `cwd`, outside the repository.
@@ -123,6 +131,7 @@ def test_readme_has_the_python_blocks_this_test_runs():
         assert any(s.startswith(name) for s in sections), (name, sections)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=_ids(BLOCKS))
 def test_readme_block_runs_as_pasted(block, tmp_path):
     if block.skip_reason is not None:
