@@ -31,7 +31,7 @@ import os
 from collections.abc import Callable
 
 import keras
-import tensorflow as tf
+import numpy as np
 
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
@@ -49,15 +49,31 @@ _METADATA_FILE = "ktm_teacher_logits.json"
 # caching a dataset larger than host memory never holds more than one part.
 _PART_BYTES = 256 * 2**20
 
+ops = keras.ops
+
+
+def _tensorflow():
+    """TensorFlow, imported where only the TensorFlow backend's code paths need it.
+
+    The KL term and the array cache are `keras.ops`/numpy and import no
+    TensorFlow, so this module imports on a JAX-only install.
+    """
+    import tensorflow as tf
+
+    return tf
+
+
+def _on_tensorflow() -> bool:
+    return keras.backend.backend() == "tensorflow"
+
 
 # --------------------------------------------------------------------------
 # validation helpers
 # --------------------------------------------------------------------------
 def _check_number(value, name, accepted):
-    import numpy as np
-
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        if isinstance(value, tf.Tensor) and value.shape.rank == 0 and value.dtype.is_floating:
+        if (ops.is_tensor(value) and len(value.shape) == 0
+                and keras.backend.is_float_dtype(keras.backend.standardize_dtype(value.dtype))):
             return float(value)
         raise TypeError(f"`{name}` must be {accepted}, got {value!r} ({type(value).__name__}).")
     return float(value)
@@ -138,8 +154,10 @@ def _tf_variable(variable):
 
 def _owner(variable):
     """The strategy a variable is distributed by, or None for a plain variable."""
+    if not _on_tensorflow():
+        return None  # no tf.distribute: variables are laid out by keras.distribution
     tf_var = _tf_variable(variable)
-    if isinstance(tf_var, tf.distribute.DistributedValues):
+    if isinstance(tf_var, _tensorflow().distribute.DistributedValues):
         return tf_var.distribute_strategy
     return None
 
@@ -254,23 +272,27 @@ def distillation_kl(student_logits, temperature, teacher_logits=None, *,
     Returns:
         A float32 tensor of the logits' shape without the last axis.
     """
-    temperature = tf.cast(temperature, tf.float32)
-    s = tf.cast(student_logits, tf.float32) / temperature
-    log_q = tf.nn.log_softmax(s, axis=-1)
+    # keras.ops: on TensorFlow the same tf.nn.log_softmax / tf.exp /
+    # tf.reduce_sum as before (take_along_axis is the batched gather), and the
+    # same program runs in a jitted JAX step.
+    temperature = ops.cast(temperature, "float32")
+    s = ops.cast(student_logits, "float32") / temperature
+    log_q = ops.log_softmax(s, axis=-1)
     if teacher_logits is not None:
-        t = tf.cast(teacher_logits, tf.float32) / temperature
-        log_p = tf.nn.log_softmax(t, axis=-1)
-        return tf.reduce_sum(tf.exp(log_p) * (log_p - log_q), axis=-1)
-    t = tf.cast(top_k_values, tf.float32) / temperature
-    log_p = tf.nn.log_softmax(t, axis=-1)
-    indices = tf.cast(top_k_indices, tf.int32)
-    log_q_kept = tf.gather(log_q, indices, batch_dims=len(log_q.shape) - 1)
-    return tf.reduce_sum(tf.exp(log_p) * (log_p - log_q_kept), axis=-1)
+        t = ops.cast(teacher_logits, "float32") / temperature
+        log_p = ops.log_softmax(t, axis=-1)
+        return ops.sum(ops.exp(log_p) * (log_p - log_q), axis=-1)
+    t = ops.cast(top_k_values, "float32") / temperature
+    log_p = ops.log_softmax(t, axis=-1)
+    indices = ops.cast(top_k_indices, "int32")
+    log_q_kept = ops.take_along_axis(log_q, indices, axis=-1)
+    return ops.sum(ops.exp(log_p) * (log_p - log_q_kept), axis=-1)
 
 
 def _top_k(logits, k):
-    values, indices = tf.math.top_k(tf.cast(logits, tf.float32), k=k)
-    return values, indices
+    """The k largest logits (float32, descending) and their int32 class indices."""
+    values, indices = ops.top_k(ops.cast(logits, "float32"), k=k)
+    return values, ops.cast(indices, "int32")
 
 
 def _regularization_loss(model):
@@ -286,8 +308,11 @@ def _regularization_loss(model):
     losses = model.losses
     if not losses:
         return None
-    return tf.add_n([tf.cast(keras_compat.aggregate_additional_loss(model, loss), tf.float32)
-                     for loss in losses])
+    total = None
+    for loss in losses:
+        value = ops.cast(keras_compat.aggregate_additional_loss(model, loss), "float32")
+        total = value if total is None else total + value
+    return total
 
 
 # --------------------------------------------------------------------------
@@ -579,8 +604,8 @@ class Distillation(EngineCallback):
         temperature, alpha = self._variables
         if self.teacher is not None:
             teacher = self._step_teacher(ctx.x, training=False)
-            teacher = tf.stop_gradient(_single_output(teacher, "a teacher"))
-            if teacher.shape.as_list()[1:] != student.shape.as_list()[1:]:
+            teacher = ops.stop_gradient(_single_output(teacher, "a teacher"))
+            if tuple(teacher.shape)[1:] != tuple(student.shape)[1:]:
                 raise ValueError(
                     f"The teacher's logits have shape {teacher.shape} per batch but the "
                     f"student's have {student.shape}; Distillation needs the same shape "
@@ -600,20 +625,20 @@ class Distillation(EngineCallback):
         # number of examples, then by the number of replicas.
         term = keras_compat.reduce_weighted_values(kl, sample_weight=ctx.sample_weight, mask=mask,
                                                   reduction="sum_over_batch_size", dtype="float32")
-        alpha = tf.cast(alpha.value, tf.float32)
-        term = alpha * tf.square(tf.cast(temperature.value, tf.float32)) * term
+        alpha = ops.cast(alpha.value, "float32")
+        term = alpha * ops.square(ops.cast(temperature.value, "float32")) * term
         # Regularisation losses (kernel_regularizer, add_loss) keep their full
         # weight: `loss` includes them, so give back the alpha part.
         regularization = _regularization_loss(ctx.model)
         if regularization is not None:
             term = term + alpha * regularization
-        return tf.cast(1.0 - alpha, loss.dtype) * loss + tf.cast(term, loss.dtype)
+        return ops.cast(1.0 - alpha, loss.dtype) * loss + ops.cast(term, loss.dtype)
 
     def _cached_kl(self, student, extras, temperature):
         classes = student.shape[-1]
         if LOGITS_KEY in extras:
             logits = extras[LOGITS_KEY]
-            if logits.shape.as_list()[1:] != student.shape.as_list()[1:]:
+            if tuple(logits.shape)[1:] != tuple(student.shape)[1:]:
                 raise ValueError(
                     f"The cached teacher logits have shape {logits.shape} per batch but the "
                     f"student's logits have {student.shape}; the cache was made with "
@@ -626,7 +651,7 @@ class Distillation(EngineCallback):
         else:
             values, indices = extras[TOP_K_VALUES_KEY], extras[TOP_K_INDICES_KEY]
             cached_k = values.shape[-1]
-            if values.shape.as_list()[1:-1] != student.shape.as_list()[1:-1]:
+            if tuple(values.shape)[1:-1] != tuple(student.shape)[1:-1]:
                 raise ValueError(
                     f"The cached teacher top-k logits have shape {values.shape} per batch, "
                     f"which does not match the student's logits {student.shape}."
@@ -659,7 +684,7 @@ def _is_cached_element(data) -> bool:
 
 def _teacher_runner(teacher, strategy, top_k):
     """A compiled function: global batch of inputs -> teacher logits, on all replicas."""
-    import numpy as np
+    tf = _tensorflow()
 
     replicas = strategy.num_replicas_in_sync
 
@@ -705,6 +730,8 @@ def _teacher_runner(teacher, strategy, top_k):
 
 
 def _numpy_structure(data):
+    tf = _tensorflow()
+
     def to_numpy(t):
         if isinstance(t, (tf.SparseTensor, tf.RaggedTensor)):
             raise TypeError(
@@ -717,24 +744,325 @@ def _numpy_structure(data):
 
 
 def _concat(parts):
-    import numpy as np
-
-    return tf.nest.map_structure(lambda *xs: np.concatenate(xs, axis=0), *parts)
+    return keras.tree.map_structure(lambda *xs: np.concatenate(xs, axis=0), *parts)
 
 
 def _nbytes(structure):
-    return sum(getattr(a, "nbytes", 0) for a in tf.nest.flatten(structure))
+    return sum(getattr(a, "nbytes", 0) for a in keras.tree.flatten(structure))
 
 
-def cache_teacher_logits(teacher, dataset, *, top_k: int | None = None,
-                         path: str | os.PathLike | None = None):
+# --------------------------------------------------------------------------
+# cached logits from arrays: a PyDataset, and the npz format
+# --------------------------------------------------------------------------
+_NPZ_FORMAT = "keras_tpu_mem.teacher_logits.npz"
+_NPZ_VERSION = 1
+_NPZ_SUFFIX = ".npz"
+_NPZ_METADATA = "metadata"  # a 0-d unicode array holding the JSON metadata
+_DATA_PARTS = ("x", "y", "sample_weight")
+
+
+def _is_tf_dataset(value) -> bool:
+    # Without importing TensorFlow: a tf.data.Dataset can only exist if it is loaded.
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(value, tf.data.Dataset)
+
+
+def _structure_spec(value):
+    """A JSON description of a nest of arrays (dicts by sorted key, lists, tuples)."""
+    if isinstance(value, dict):
+        return {"dict": {str(k): _structure_spec(value[k]) for k in sorted(value)}}
+    if isinstance(value, (list, tuple)):
+        return {"list" if isinstance(value, list) else "tuple":
+                [_structure_spec(v) for v in value]}
+    return "array"
+
+
+def _leaves(value, spec):
+    if spec == "array":
+        return [value]
+    if "dict" in spec:
+        return [leaf for k, sub in spec["dict"].items() for leaf in _leaves(value[k], sub)]
+    kind = "list" if "list" in spec else "tuple"
+    return [leaf for v, sub in zip(value, spec[kind]) for leaf in _leaves(v, sub)]
+
+
+def _count_leaves(spec) -> int:
+    if spec == "array":
+        return 1
+    subs = spec["dict"].values() if "dict" in spec else spec.get("list", spec.get("tuple"))
+    return sum(_count_leaves(sub) for sub in subs)
+
+
+def _rebuild(spec, leaves):
+    """The nest `spec` describes, taking its arrays from the iterator `leaves`."""
+    if spec == "array":
+        return next(leaves)
+    if "dict" in spec:
+        return {k: _rebuild(sub, leaves) for k, sub in spec["dict"].items()}
+    if "list" in spec:
+        return [_rebuild(sub, leaves) for sub in spec["list"]]
+    return tuple(_rebuild(sub, leaves) for sub in spec["tuple"])
+
+
+def _split_data(data):
+    """`(parts, single)`: the `x`, `y`, `sample_weight` present, and whether `data` is bare `x`."""
+    if isinstance(data, (tuple, list)):
+        if not 1 <= len(data) <= 3:
+            raise ValueError(
+                "`dataset` given as arrays must be x, (x,), (x, y) or (x, y, sample_weight); "
+                f"got a {type(data).__name__} of {len(data)} items.")
+        return list(data), False
+    return [data], True
+
+
+def _to_numpy_nest(value, where):
+    try:
+        return keras.tree.map_structure(lambda a: np.asarray(ops.convert_to_numpy(a)), value)
+    except Exception as err:
+        raise TypeError(
+            f"`dataset` must be a tf.data.Dataset or arrays (numpy arrays or tensors); its "
+            f"{where} could not be read as arrays ({type(err).__name__}: {err})."
+        ) from err
+
+
+class TeacherLogits(keras.utils.PyDataset):
+    """Examples with the teacher's logits, as batches in order: what `fit` takes.
+
+    Made by `cache_teacher_logits(teacher, (x, y), batch_size=...)` or
+    `load_teacher_logits("cache.npz")`; works with every Keras backend. Batch
+    `i` holds examples `[i * batch_size, (i + 1) * batch_size)` (the last batch
+    may be smaller) as `(data, logits)`: `data` is `x`, `(x,)`, `(x, y)` or
+    `(x, y, sample_weight)` as given, and `logits` a dict
+    `{"ktm_teacher_logits": [b, classes]}` or
+    `{"ktm_teacher_top_k_values": [b, k], "ktm_teacher_top_k_indices": [b, k]}`
+    (float32 values, int32 indices): the structure `Distillation()` reads.
+    Batches are not shuffled (`fit(shuffle=True)` does not shuffle a
+    PyDataset): shuffle the arrays before caching if the order matters.
+
+    Args:
+        data: The examples, `x` or a tuple `(x[, y[, sample_weight]])` of numpy arrays.
+        logits: The dict of per-example teacher arrays (see above).
+        batch_size: Examples per batch (int >= 1).
+        **kwargs: `keras.utils.PyDataset` arguments (`workers`, ...).
+
+    Example:
+
+    ```python
+    cached = ktm.cache_teacher_logits(teacher, (x, y), batch_size=64)
+    (x0, y0), logits0 = cached[0]         # the first 64 examples and their logits
+    student.fit(cached, epochs=2, callbacks=[ktm.Distillation(temperature=2.0)])
+    ```
+    """
+
+    def __init__(self, data, logits, batch_size, **kwargs):
+        super().__init__(**kwargs)
+        self.batch_size = _check_batch_size(batch_size)
+        if not isinstance(logits, dict) or not logits or not set(logits) <= _KEYS:
+            raise ValueError(f"`logits` must be a dict with keys among {sorted(_KEYS)}.")
+        self.data = data
+        self.logits = {k: np.asarray(v) for k, v in logits.items()}
+        self.num_examples = len(next(iter(self.logits.values())))
+        for leaf in keras.tree.flatten(data):
+            if len(leaf) != self.num_examples:
+                raise ValueError(
+                    f"Every array must hold {self.num_examples} examples (as the logits); "
+                    f"got one of shape {tuple(np.shape(leaf))}.")
+
+    @property
+    def top_k(self) -> int | None:
+        """The k of a top-k cache, None when all logits are kept."""
+        values = self.logits.get(TOP_K_VALUES_KEY)
+        return None if values is None else int(values.shape[-1])
+
+    def __len__(self):
+        return -(-self.num_examples // self.batch_size)
+
+    def _slice(self, index):
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"batch {index} out of range for {len(self)} batches")
+        index %= len(self)
+        return slice(index * self.batch_size, (index + 1) * self.batch_size)
+
+    def __getitem__(self, index):
+        part = self._slice(index)
+        data = keras.tree.map_structure(lambda a: a[part], self.data)
+        return data, {k: v[part] for k, v in self.logits.items()}
+
+    def without_logits(self):
+        """A PyDataset of the same batches without the logits (the original `data`)."""
+        return _Batches(self)
+
+    def save(self, path):
+        """Writes the examples and logits to the `.npz` file `path` (see docs/distillation.md)."""
+        path = _npz_path(path)
+        parts, single = _split_data(self.data)
+        arrays, structures = {}, {}
+        for name, value in zip(_DATA_PARTS, parts):
+            spec = _structure_spec(value)
+            structures[name] = spec
+            leaves = _leaves(value, spec)
+            if spec == "array":
+                arrays[name] = leaves[0]
+            else:
+                arrays.update({f"{name}_{i}": leaf for i, leaf in enumerate(leaves)})
+        names = {LOGITS_KEY: "logits", TOP_K_VALUES_KEY: "top_k_values",
+                 TOP_K_INDICES_KEY: "top_k_indices"}
+        arrays.update({names[k]: v for k, v in self.logits.items()})
+        metadata = {"format": _NPZ_FORMAT, "version": _NPZ_VERSION,
+                    "num_examples": self.num_examples, "batch_size": self.batch_size,
+                    "top_k": self.top_k, "single_x": single, "structures": structures}
+        arrays[_NPZ_METADATA] = np.array(json.dumps(metadata))
+        # Through a file object: np.savez would append ".npz" to a name without it.
+        with open(path, "xb") as f:
+            np.savez(f, **arrays)
+
+
+class _Batches(keras.utils.PyDataset):
+    """The batches of a `TeacherLogits` without the logits."""
+
+    def __init__(self, cached):
+        super().__init__()
+        self._cached = cached
+
+    def __len__(self):
+        return len(self._cached)
+
+    def __getitem__(self, index):
+        part = self._cached._slice(index)
+        return keras.tree.map_structure(lambda a: a[part], self._cached.data)
+
+
+def _check_batch_size(batch_size):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
+        raise TypeError(f"`batch_size` must be an int >= 1, got {batch_size!r}.")
+    if batch_size < 1:
+        raise ValueError(f"`batch_size` must be an int >= 1, got {batch_size}.")
+    return int(batch_size)
+
+
+def _npz_path(path):
+    path = os.fspath(path)
+    if not path.endswith(_NPZ_SUFFIX):
+        raise ValueError(
+            f"`path` {path!r}: a cache of arrays is one .npz file; give a name ending in "
+            "'.npz' (a directory is for caching a tf.data.Dataset).")
+    if os.path.exists(path):
+        raise ValueError(f"`path` {path!r} already exists; the cache is never overwritten.")
+    return path
+
+
+def _cache_arrays(teacher, data, *, batch_size, top_k, path):
+    batch_size = _check_batch_size(batch_size)
+    top_k = _check_top_k(top_k)
+    _check_top_k_classes(top_k, _output_classes(teacher), "the teacher")
+    if path is not None:
+        path = _npz_path(path)
+    parts, single = _split_data(data)
+    parts = [_to_numpy_nest(p, name) for p, name in zip(parts, _DATA_PARTS)]
+    data = parts[0] if single else tuple(parts)
+    bad = [np.shape(a) for a in keras.tree.flatten(parts)
+           if np.ndim(a) == 0 or np.asarray(a).dtype == object]
+    if bad:
+        raise TypeError(
+            "`dataset` must be a tf.data.Dataset or arrays with a leading example axis "
+            f"(x, (x, y) or (x, y, sample_weight)); got an array of shape {bad[0]} or "
+            "of objects.")
+    x = parts[0]
+    sizes = {len(leaf) for leaf in keras.tree.flatten(data)}
+    if len(sizes) != 1:
+        raise ValueError(f"`dataset` arrays must all hold the same number of examples; got "
+                         f"lengths {sorted(sizes)}.")
+    size = sizes.pop()
+    if size == 0:
+        raise ValueError("`dataset` is empty: there is nothing to cache.")
+    # Padded to whole batches (the last example repeated, then cropped): under
+    # a DataParallel distribution every predict batch must divide by the
+    # devices, which a partial last batch would not.
+    pad = -size % batch_size
+    if pad:
+        x_in = keras.tree.map_structure(
+            lambda a: np.concatenate([a, np.repeat(a[-1:], pad, axis=0)]), x)
+    else:
+        x_in = x
+    logits = _single_output(teacher.predict(x_in, batch_size=batch_size, verbose=0),
+                            "a teacher")
+    logits = np.asarray(ops.convert_to_numpy(ops.cast(logits, "float32")))[:size]
+    if top_k is None:
+        extras = {LOGITS_KEY: logits}
+    else:
+        # A stable descending sort: among equal logits the lower class first,
+        # as tf.math.top_k / jax.lax.top_k order them.
+        indices = np.argsort(-logits, axis=-1, kind="stable")[..., :top_k].astype(np.int32)
+        extras = {TOP_K_VALUES_KEY: np.take_along_axis(logits, indices, axis=-1),
+                  TOP_K_INDICES_KEY: indices}
+    cached = TeacherLogits(data, extras, batch_size)
+    logger.info("cache_teacher_logits: %d examples, %s.", size,
+                "all logits" if top_k is None else f"top {top_k} logits")
+    if path is not None:
+        cached.save(path)
+    return cached
+
+
+def _load_npz(path, batch_size):
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} does not exist: no teacher-logit cache to load.")
+    with np.load(path, allow_pickle=False) as f:
+        if _NPZ_METADATA not in f.files:
+            raise ValueError(f"{path!r} is not a keras_tpu_mem teacher-logit cache "
+                             f"(no {_NPZ_METADATA!r} entry).")
+        metadata = json.loads(str(f[_NPZ_METADATA]))
+        if metadata.get("format") != _NPZ_FORMAT or metadata.get("version") != _NPZ_VERSION:
+            raise ValueError(
+                f"{path!r} is not a keras_tpu_mem teacher-logit cache of version "
+                f"{_NPZ_VERSION} (found format={metadata.get('format')!r}, "
+                f"version={metadata.get('version')!r}).")
+        arrays = {name: f[name] for name in f.files if name != _NPZ_METADATA}
+    parts = []
+    for name in _DATA_PARTS:
+        spec = metadata["structures"].get(name)
+        if spec is None:
+            break
+        if spec == "array":
+            parts.append(arrays[name])
+        else:
+            count = _count_leaves(spec)
+            parts.append(_rebuild(spec, iter(arrays[f"{name}_{i}"] for i in range(count))))
+    data = parts[0] if metadata["single_x"] else tuple(parts)
+    if "logits" in arrays:
+        extras = {LOGITS_KEY: arrays["logits"]}
+    else:
+        extras = {TOP_K_VALUES_KEY: arrays["top_k_values"],
+                  TOP_K_INDICES_KEY: arrays["top_k_indices"]}
+    return TeacherLogits(data, extras, metadata["batch_size"] if batch_size is None
+                         else batch_size)
+
+
+def cache_teacher_logits(teacher, dataset, *, batch_size: int = 32,
+                         top_k: int | None = None, path: str | os.PathLike | None = None):
     """Runs the teacher once and returns the examples with its logits attached.
 
-    The teacher runs in inference mode (`training=False`) under the current
-    strategy (the one whose scope is active, else the teacher's), each batch
-    split over the replicas. A teacher whose variables live outside the active
-    strategy runs as a copy made under it (as for `Distillation`; logged), kept
-    only while caching. Every returned element is `(data, logits)`:
+    **Arrays** (any backend, no TensorFlow needed): `dataset` is `x`, `(x,)`,
+    `(x, y)` or `(x, y, sample_weight)` of numpy arrays or backend tensors
+    (`x` may be a dict or tuple of arrays). The teacher runs once with
+    `teacher.predict(x, batch_size=batch_size)` (in inference mode, under the
+    active `keras.distribution` on JAX, else on the default device; the input
+    is padded to a multiple of `batch_size` for that, then cropped). Returned:
+    a `TeacherLogits`, a `keras.utils.PyDataset` yielding batches of
+    `batch_size` examples **in the input order** (the last may be smaller),
+    each `(data_batch, logits_batch)` in the element structure below; pass it
+    to `fit` as it is. With `path` (a file name ending in `.npz`) the examples
+    and logits are also written there in the documented npz format
+    (docs/distillation.md), which `load_teacher_logits(path)` reads on either
+    backend.
+
+    **A tf.data.Dataset** (TensorFlow): the teacher runs in inference mode
+    (`training=False`) under the current strategy (the one whose scope is
+    active, else the teacher's), each batch split over the replicas. A teacher
+    whose variables live outside the active strategy runs as a copy made under
+    it (as for `Distillation`; logged), kept only while caching. Every
+    returned element is `(data, logits)`:
     `data` is the input element unchanged and `logits` a dict of the teacher's
     float32 logits (all classes, or the `top_k` largest values and their
     indices). Because the logits sit inside each element, shuffling and
@@ -758,19 +1086,32 @@ def cache_teacher_logits(teacher, dataset, *, top_k: int | None = None,
 
     Args:
         teacher: A built `keras.Model` with one logits output.
-        dataset: A finite `tf.data.Dataset` of **batches** (`x`, `(x, y)` or
-            `(x, y, sample_weight)`, as passed to `fit`). It is iterated once.
+        dataset: Arrays `x`, `(x,)`, `(x, y)` or `(x, y, sample_weight)` (see
+            above), or a finite `tf.data.Dataset` of **batches** (`x`, `(x, y)`
+            or `(x, y, sample_weight)`, as passed to `fit`), iterated once.
+        batch_size: With arrays: the teacher's predict batch and the batch the
+            returned PyDataset yields (an int >= 1; under `DataParallel` a
+            multiple of the device count). Ignored for a dataset (its own
+            batches are used).
         top_k: `None` to keep all logits, or how many of the largest to keep
             (with their class indices): k/classes of the storage.
-        path: Optional directory to save the cache to; must not exist yet or be
-            empty.
+        path: Optional place to save the cache: with arrays a `.npz` file that
+            does not exist yet; with a dataset a directory that does not exist
+            yet or is empty.
 
     Returns:
-        A `tf.data.Dataset` of `(data, logits)` single examples.
+        With arrays, a `TeacherLogits` PyDataset of `(data, logits)` batches;
+        with a dataset, a `tf.data.Dataset` of `(data, logits)` single examples.
 
     Example:
 
     ```python
+    # Arrays, on any backend: batches in order, ready for fit.
+    cached = ktm.cache_teacher_logits(teacher, (x, y), batch_size=64, path="logits.npz")
+    student.fit(cached, epochs=3, callbacks=[ktm.Distillation()])
+    cached = ktm.load_teacher_logits("logits.npz")        # later, without the teacher
+
+    # A tf.data pipeline (TensorFlow):
     cached = ktm.cache_teacher_logits(teacher, train_ds.batch(256), path="gs://bucket/logits")
     # later, anywhere, without the teacher:
     cached = ktm.load_teacher_logits("gs://bucket/logits")
@@ -789,6 +1130,9 @@ def cache_teacher_logits(teacher, dataset, *, top_k: int | None = None,
             f"The teacher's last layer applies {which}: cache_teacher_logits needs logits. "
             "Remove the final activation."
         )
+    if not _is_tf_dataset(dataset):
+        return _cache_arrays(teacher, dataset, batch_size=batch_size, top_k=top_k, path=path)
+    tf = _tensorflow()
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(
             "`dataset` must be a tf.data.Dataset of batches, e.g. "
@@ -863,15 +1207,21 @@ def cache_teacher_logits(teacher, dataset, *, top_k: int | None = None,
     return load_teacher_logits(path)
 
 
-def load_teacher_logits(path: str | os.PathLike):
+def load_teacher_logits(path: str | os.PathLike, *, batch_size: int | None = None):
     """Reads a cache written by `cache_teacher_logits(..., path=...)`, without the teacher.
 
     Args:
-        path: The directory given to `cache_teacher_logits`.
+        path: The `.npz` file (cached from arrays; readable on any backend) or
+            the directory (cached from a tf.data.Dataset; TensorFlow) given to
+            `cache_teacher_logits`.
+        batch_size: For a `.npz` cache: the batch the PyDataset yields
+            (default: the one it was cached with). Not used for a directory.
 
     Returns:
-        A `tf.data.Dataset` of `(data, logits)` single examples, in the order
-        they were cached (shuffle it for training).
+        For a `.npz` file, a `TeacherLogits` PyDataset of `(data, logits)`
+        batches in the cached order; for a directory, a `tf.data.Dataset` of
+        `(data, logits)` single examples, in the order they were cached
+        (shuffle it for training).
 
     Raises:
         ValueError: if `path` holds no teacher-logit cache.
@@ -884,6 +1234,13 @@ def load_teacher_logits(path: str | os.PathLike):
     ```
     """
     path = os.fspath(path)
+    if path.endswith(_NPZ_SUFFIX) or os.path.isfile(path):
+        return _load_npz(path, batch_size)
+    if batch_size is not None:
+        raise ValueError(
+            "`batch_size` applies to a .npz cache only; a directory cache holds single "
+            "examples: batch the returned dataset instead.")
+    tf = _tensorflow()
     meta_path = os.path.join(path, _METADATA_FILE)
     if not tf.io.gfile.exists(meta_path):
         raise ValueError(
@@ -906,7 +1263,15 @@ def load_teacher_logits(path: str | os.PathLike):
 
 
 def strip_teacher_logits(dataset):
-    """The dataset without its cached logits (the original elements)."""
+    """The dataset without its cached logits (the original elements).
+
+    Args:
+        dataset: A `tf.data.Dataset` from `cache_teacher_logits` /
+            `load_teacher_logits`, or a `TeacherLogits` PyDataset (then a
+            PyDataset of the original batches is returned).
+    """
+    if isinstance(dataset, TeacherLogits):
+        return dataset.without_logits()
     if not _is_cached_element(dataset.element_spec):
         raise ValueError("`dataset` carries no cached teacher logits.")
     return dataset.map(lambda data, logits: data)
@@ -940,6 +1305,15 @@ def prepare_student(student, dataset) -> None:
     """
     if not isinstance(student, keras.Model):
         raise TypeError(f"`student` must be a keras.Model, got {type(student).__name__}.")
+    if isinstance(dataset, TeacherLogits):
+        batch = dataset.without_logits()[0]
+        if _on_tensorflow():
+            with student.distribute_strategy.scope():
+                keras_compat.symbolic_build(student, batch)
+        else:
+            keras_compat.symbolic_build(student, batch)
+        return
+    tf = _tensorflow()
     if not isinstance(dataset, tf.data.Dataset) or not _is_cached_element(dataset.element_spec):
         raise ValueError(
             "`dataset` must be the batched tf.data.Dataset of cached teacher logits you "
@@ -952,6 +1326,7 @@ def prepare_student(student, dataset) -> None:
 
 __all__ = [
     "Distillation",
+    "TeacherLogits",
     "cache_teacher_logits",
     "distillation_kl",
     "load_teacher_logits",

@@ -49,6 +49,14 @@ import tensorflow as tf
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.engine import EngineCallback, update_variable
+from keras_tpu_mem.pruning_masks import (
+    apply_mask,
+    block_mask,
+    kth_largest,
+    m_by_n_mask,
+    magnitude_mask,
+    smallest_kept,
+)
 from keras_tpu_mem.pruning_schedules import (
     ConstantSparsity,
     PolynomialDecay,
@@ -248,101 +256,8 @@ def find_prunable_weights(model, layers=None) -> list[_Weight]:
 
 
 # ------------------------------------------------------------------- masks
-
-
-def kth_largest(values, k):
-    """The k-th largest entry of a non-negative float32 tensor, exactly.
-
-    Bisection on the IEEE bit patterns (non-negative floats sort like their
-    int32 bit patterns): 31 counting passes, no sort, no index buffer, static
-    shapes (XLA-friendly). `k` is an int32 scalar in [1, size].
-    """
-    bits = tf.bitcast(tf.reshape(values, [-1]), tf.int32)
-    k = tf.cast(k, tf.int32)
-    lo = tf.constant(0, tf.int32)  # count(bits >= lo) >= k always
-    hi = tf.constant(0x7F800001, tf.int32)  # above +inf: count(bits >= hi) < k (no NaN)
-
-    def body(i, lo, hi):
-        mid = lo + (hi - lo) // 2
-        enough = tf.reduce_sum(tf.cast(bits >= mid, tf.int32)) >= k
-        return i + 1, tf.where(enough, mid, lo), tf.where(enough, hi, mid)
-
-    _, lo, _ = tf.while_loop(lambda i, lo, hi: i < 31, body, (tf.constant(0), lo, hi))
-    return tf.bitcast(lo, tf.float32)
-
-
-def magnitude_mask(magnitudes, sparsity):
-    """Keeps the largest `1 - sparsity` fraction of `magnitudes` (tfmot's rule).
-
-    k = max(round(size * (1 - sparsity)), 1) entries are kept; the threshold is
-    the k-th largest magnitude and every entry >= it is kept (ties kept), as in
-    tfmot's `_update_mask`. Returns (bool mask, float32 threshold).
-    """
-    magnitudes = tf.cast(magnitudes, tf.float32)
-    size = int(np.prod(magnitudes.shape))
-    k = tf.cast(
-        tf.math.maximum(tf.math.round(tf.cast(size, tf.float32) * (1.0 - sparsity)), 1.0),
-        tf.int32,
-    )
-    k = tf.clip_by_value(k, 1, size)
-    threshold = kth_largest(magnitudes, k)
-    return magnitudes >= threshold, threshold
-
-
-def _block_pool(magnitudes, block_size, pooling):
-    """Pools a rank-2 tensor over aligned (bh, bw) blocks; partial edge blocks use
-    their valid entries only (AVG divides by their count)."""
-    height, width = magnitudes.shape
-    bh, bw = block_size
-    ph, pw = -height % bh, -width % bw
-    padded = tf.pad(magnitudes, [[0, ph], [0, pw]])
-    blocks = tf.reshape(padded, [(height + ph) // bh, bh, (width + pw) // bw, bw])
-    if pooling == "MAX":
-        return tf.reduce_max(blocks, axis=[1, 3])
-    counts = np.pad(np.ones((height, width), np.float32), [[0, ph], [0, pw]])
-    counts = counts.reshape((height + ph) // bh, bh, (width + pw) // bw, bw).sum(axis=(1, 3))
-    return tf.reduce_sum(blocks, axis=[1, 3]) / tf.constant(counts)
-
-
-def _expand_blocks(block_values, block_size, shape):
-    bh, bw = block_size
-    expanded = tf.repeat(tf.repeat(block_values, bh, axis=0), bw, axis=1)
-    return expanded[: shape[0], : shape[1]]
-
-
-def block_mask(weights, sparsity, block_size, pooling="AVG"):
-    """Prunes whole (bh, bw) blocks of a rank-2 weight by pooled magnitude.
-
-    Blocks are aligned at index 0; a partial last block is pooled over its valid
-    entries. Returns (bool mask, float32 threshold on the pooled magnitudes).
-    """
-    magnitudes = tf.abs(tf.cast(weights, tf.float32))
-    pooled = _block_pool(magnitudes, block_size, pooling)
-    kept, threshold = magnitude_mask(pooled, sparsity)
-    return _expand_blocks(kept, block_size, weights.shape), threshold
-
-
-def m_by_n_mask(weights, m_by_n, axis):
-    """N:M structured mask: in every aligned group of `n` consecutive entries
-    along `axis`, the `m` smallest magnitudes are pruned (tfmot's
-    `sparsity_m_by_n`). A partial last group keeps at most n - m entries.
-    Ties keep the lower index, as tfmot's `top_k`.
-    """
-    m, n = m_by_n
-    magnitudes = tf.abs(tf.cast(weights, tf.float32))
-    rank = len(weights.shape)
-    perm = [d for d in range(rank) if d != axis] + [axis]
-    inverse = list(np.argsort(perm))
-    moved = tf.transpose(magnitudes, perm)
-    length = weights.shape[axis]
-    pad = -length % n
-    padded = tf.pad(moved, [[0, 0]] * (rank - 1) + [[0, pad]])
-    groups = tf.reshape(padded, [-1, n])
-    _, keep = tf.math.top_k(groups, k=n - m)
-    kept = tf.reduce_max(tf.one_hot(keep, n, dtype=tf.int32), axis=-2) > 0
-    kept = tf.reshape(kept, padded.shape)[..., :length]
-    return tf.transpose(kept, inverse)
-
+# The mask math is backend-neutral (keras.ops) and lives in `pruning_masks`;
+# re-exported here, where it has always been importable from.
 
 # ---------------------------------------------------------------- callback
 
@@ -696,7 +611,7 @@ class Pruning(EngineCallback):
         tf.cond(should, recompute, lambda: tf.constant(False))
         for w in self._weights:
             value = tf.convert_to_tensor(w.variable.value)
-            update_variable(w.variable, _assign, _apply_mask(value, w.mask.value))
+            update_variable(w.variable, _assign, apply_mask(value, w.mask.value))
 
     # ------------------------------------------------------------ resume
     def _pruning_started(self, step: int) -> bool:
@@ -758,7 +673,7 @@ class Pruning(EngineCallback):
                 tf.summary.scalar(f"pruning/{w.path}/sparsity",
                                   1.0 - tf.reduce_mean(tf.cast(mask, tf.float32)))
                 if not self.m_by_n:
-                    tf.summary.scalar(f"pruning/{w.path}/threshold", _smallest_kept(
+                    tf.summary.scalar(f"pruning/{w.path}/threshold", smallest_kept(
                         w.variable.value, mask, self.block_size, self.block_pooling_type))
         self._writer.flush()
 
@@ -782,21 +697,9 @@ def _mask_dtype(model, variable) -> str:
     return "bool" if xla else variable.dtype
 
 
-def _apply_mask(value, mask):
-    """`value` with exact +0.0 where `mask` is off (False or 0), whatever it held."""
-    if mask.dtype == tf.bool:
-        return tf.where(mask, value, tf.constant(0, value.dtype))
-    return tf.math.multiply_no_nan(value, mask)
-
-
-def _smallest_kept(value, mask, block_size, pooling):
-    """The magnitude threshold a mask amounts to: its smallest kept (pooled) magnitude."""
-    magnitudes = tf.abs(tf.cast(value, tf.float32))
-    if tuple(block_size) != (1, 1):
-        magnitudes = _block_pool(magnitudes, block_size, pooling)
-        mask = _block_pool(tf.cast(mask, tf.float32), block_size, "MAX") > 0
-    kept = tf.boolean_mask(magnitudes, mask)
-    return tf.cond(tf.size(kept) > 0, lambda: tf.reduce_min(kept), lambda: tf.constant(0.0))
+# Kept under their old private names (tests and benchmarks import them).
+_apply_mask = apply_mask
+_smallest_kept = smallest_kept
 
 
 # -------------------------------------------------------------- stripping

@@ -2,10 +2,14 @@
 
 `ConstantSparsity` and `PolynomialDecay` take the same arguments as
 `tfmot.sparsity.keras.ConstantSparsity` / `PolynomialDecay` and return the same
-`(should_prune, sparsity)` at every step (the same TensorFlow ops in the same
-order, so the float32 values agree bit for bit). They are reimplemented here
+`(should_prune, sparsity)` at every step. They are written in `keras.ops`, so
+they evaluate on every Keras backend (inside a jitted JAX step too); on
+TensorFlow those are the same TensorFlow ops in the same order and dtypes as
+tfmot's, so the float32 values agree bit for bit. They are reimplemented here
 because importing `tensorflow_model_optimization` switches the whole process to
-legacy Keras (`TF_USE_LEGACY_KERAS=1`).
+legacy Keras (`TF_USE_LEGACY_KERAS=1`). Importing this module never imports
+TensorFlow. tfmot's own schedule objects run TensorFlow ops: they work with the
+TensorFlow backend only.
 
 A schedule is called with the training step, which for `ktm.Pruning` is the
 number of optimizer updates made so far (`model.optimizer.iterations`, read
@@ -20,7 +24,9 @@ import math
 import numbers
 
 import keras
-import tensorflow as tf
+import numpy as np
+
+ops = keras.ops
 
 _PACKAGE = "keras_tpu_mem"
 
@@ -56,12 +62,14 @@ class PruningSchedule:
 
     Subclasses implement `__call__(step)` returning a scalar boolean tensor
     (recompute the masks at this step?) and a scalar float32 tensor (the
-    fraction of weights to zero when they do), using TensorFlow ops so that the
-    schedule runs inside the compiled training step, and `get_config`.
+    fraction of weights to zero when they do), using `keras.ops` so that the
+    schedule runs inside the compiled training step on any backend, and
+    `get_config`.
 
     `ktm.Pruning` also accepts any object with that call signature, e.g. a
     schedule from `tfmot.sparsity.keras` (duck-typed; keras_tpu_mem never
-    imports tfmot).
+    imports tfmot; those run TensorFlow ops, so with the TensorFlow backend
+    only).
     """
 
     begin_step: int
@@ -82,14 +90,14 @@ class PruningSchedule:
     def _should_prune_in_step(step, begin_step, end_step, frequency):
         # tfmot's exact expression: in [begin, end] (end < 0: forever) and on a
         # multiple of `frequency` counted from begin_step.
-        is_in_pruning_range = tf.math.logical_and(
-            tf.math.greater_equal(step, begin_step),
-            tf.math.logical_or(tf.math.less_equal(step, end_step), tf.math.less(end_step, 0)),
+        # (`ops.mod` is a floor modulo on every backend, as tf.math.floormod.)
+        is_in_pruning_range = ops.logical_and(
+            ops.greater_equal(step, begin_step),
+            ops.logical_or(ops.less_equal(step, end_step),
+                           ops.convert_to_tensor(end_step < 0)),
         )
-        is_pruning_turn = tf.math.equal(
-            tf.math.floormod(tf.math.subtract(step, begin_step), frequency), 0
-        )
-        return tf.math.logical_and(is_in_pruning_range, is_pruning_turn)
+        is_pruning_turn = ops.equal(ops.mod(ops.subtract(step, begin_step), frequency), 0)
+        return ops.logical_and(is_in_pruning_range, is_pruning_turn)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
@@ -141,7 +149,7 @@ class ConstantSparsity(PruningSchedule):
     def __call__(self, step):
         return (
             self._should_prune_in_step(step, self.begin_step, self.end_step, self.frequency),
-            tf.constant(self.target_sparsity, dtype=tf.float32),
+            ops.convert_to_tensor(self.target_sparsity, dtype="float32"),
         )
 
     @property
@@ -217,26 +225,26 @@ class PolynomialDecay(PruningSchedule):
         self.frequency = _check_int(frequency, "frequency", minimum=1)
 
     def __call__(self, step):
-        # The same ops, in the same order and dtypes, as tfmot 0.8.1, so that the
-        # float32 sparsity agrees bit for bit.
-        with tf.name_scope("polynomial_decay_pruning_schedule"):
-            p = tf.math.minimum(
-                1.0,
-                tf.math.maximum(
-                    0.0,
-                    tf.math.divide(
-                        tf.dtypes.cast(step - self.begin_step, tf.float32),
-                        self.end_step - self.begin_step,
-                    ),
-                ),
-            )
-            sparsity = tf.math.add(
-                tf.math.multiply(
-                    self.initial_sparsity - self.final_sparsity, tf.math.pow(1 - p, self.power)
-                ),
-                self.final_sparsity,
-                name="sparsity",
-            )
+        # The same ops, in the same order and dtypes, as tfmot 0.8.1 (on
+        # TensorFlow: tf.divide, tf.maximum, tf.minimum, tf.pow, tf.multiply,
+        # tf.add on float32), so that the float32 sparsity agrees bit for bit.
+        # Python constants become float32 first, as tf.math does with them.
+        def f32(value):
+            return ops.convert_to_tensor(np.float32(value), dtype="float32")
+
+        p = ops.minimum(
+            f32(1.0),
+            ops.maximum(
+                f32(0.0),
+                ops.divide(ops.cast(ops.subtract(step, self.begin_step), "float32"),
+                           f32(self.end_step - self.begin_step)),
+            ),
+        )
+        sparsity = ops.add(
+            ops.multiply(f32(self.initial_sparsity - self.final_sparsity),
+                         ops.power(ops.subtract(f32(1.0), p), f32(self.power))),
+            f32(self.final_sparsity),
+        )
         return (
             self._should_prune_in_step(step, self.begin_step, self.end_step, self.frequency),
             sparsity,
@@ -267,29 +275,46 @@ def check_schedule(schedule):
             f"step -> (should_prune, sparsity); got {schedule!r} "
             f"({type(schedule).__name__})."
         )
+    if keras.backend.backend() != "tensorflow" and _is_tfmot(schedule):
+        raise TypeError(
+            f"`schedule` {schedule!r} is a tfmot schedule, which runs TensorFlow ops: it "
+            f"works with the TensorFlow backend only, and the Keras backend is "
+            f"{keras.backend.backend()!r}. Use ktm.{type(schedule).__name__} with the same "
+            "arguments (ktm.ConstantSparsity / ktm.PolynomialDecay give tfmot's values)."
+        )
+    # The step as the training step gives it: optimizer.iterations is int64 on
+    # TensorFlow; JAX without x64 has no int64, so int32 there.
+    step_dtype = "int64" if keras.backend.backend() == "tensorflow" else "int32"
     try:
-        result = schedule(tf.constant(1, tf.int64))
+        result = schedule(ops.convert_to_tensor(1, dtype=step_dtype))
     except Exception as err:
         raise TypeError(
             f"`schedule` {schedule!r} could not be called with a step tensor "
-            f"(int64 scalar): {type(err).__name__}: {err}"
+            f"({step_dtype} scalar): {type(err).__name__}: {err}"
         ) from err
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         raise TypeError(
             f"`schedule(step)` must return (should_prune, sparsity), got {result!r}."
         )
-    should, sparsity = (tf.convert_to_tensor(v) for v in result)
-    if should.shape.rank != 0 or sparsity.shape.rank != 0:
+    should, sparsity = (ops.convert_to_tensor(v) for v in result)
+    if len(should.shape) != 0 or len(sparsity.shape) != 0:
         raise TypeError(
             "`schedule(step)` must return two scalars (should_prune, sparsity); got "
-            f"shapes {should.shape} and {sparsity.shape}."
+            f"shapes {tuple(should.shape)} and {tuple(sparsity.shape)}."
         )
-    if should.dtype != tf.bool or not sparsity.dtype.is_floating:
+    should_dtype = keras.backend.standardize_dtype(should.dtype)
+    sparsity_dtype = keras.backend.standardize_dtype(sparsity.dtype)
+    if should_dtype != "bool" or not keras.backend.is_float_dtype(sparsity_dtype):
         raise TypeError(
             "`schedule(step)` must return (bool, float) scalars; got "
-            f"({should.dtype.name}, {sparsity.dtype.name})."
+            f"({should_dtype}, {sparsity_dtype})."
         )
     return schedule
+
+
+def _is_tfmot(schedule) -> bool:
+    """Whether `schedule` comes from tensorflow_model_optimization (never imported here)."""
+    return type(schedule).__module__.split(".")[0] == "tensorflow_model_optimization"
 
 
 def schedule_config(schedule) -> dict:

@@ -13,6 +13,19 @@ import pytest
 import tensorflow as tf
 from helpers import RaiseAtEpoch
 
+# The backend-neutral tests (KL against float64 numpy, the array cache as a
+# PyDataset, the npz format) live in the JAX module and run here on TensorFlow.
+from test_distillation_jax import (  # noqa: F401  (collected here, on TensorFlow)
+    test_array_cache_bad_arguments,
+    test_cached_arrays_equal_predict_in_the_input_order,
+    test_cached_bare_x_and_sample_weight_keep_their_structure,
+    test_cached_top_k_values_and_indices,
+    test_distillation_kl_equals_float64_numpy,
+    test_distillation_kl_of_bfloat16_logits_is_float32,
+    test_npz_round_trip,
+    test_npz_round_trip_of_dict_inputs,
+)
+
 import keras_tpu_mem.distillation as dist
 from keras_tpu_mem.accumulation import GradientAccumulation
 from keras_tpu_mem.distillation import (
@@ -784,8 +797,8 @@ def test_bad_schedule_value_names_the_epoch():
 def test_bad_cache_arguments(tmp_path):
     x, y = make_data()
     teacher = linear(7)
-    with pytest.raises(TypeError, match="tf.data.Dataset of batches"):
-        cache_teacher_logits(teacher, (x, y))
+    with pytest.raises(TypeError, match="tf.data.Dataset or arrays"):
+        cache_teacher_logits(teacher, ("not", "arrays"))
     with pytest.raises(ValueError, match="infinite"):
         cache_teacher_logits(teacher, batched(x, y).repeat())
     with pytest.raises(ValueError, match="larger than the number of classes"):
@@ -806,3 +819,18 @@ def test_get_config_round_trip():
     assert config == {"temperature": 3.0, "alpha": 0.25, "top_k": 2}
     again = Distillation.from_config(config)
     assert again.get_config() == config and again.teacher is None
+
+
+@pytest.mark.parametrize("top_k", [None, CLASSES])
+def test_array_cache_pydataset_trains_like_the_live_teacher(tmp_path, top_k):
+    """Arrays in, PyDataset out, fed to fit as returned (and after an npz round trip)."""
+    x, y = make_data()
+    teacher = linear(7)
+    live = compile_student(linear(3))
+    fit(live, batched(x, y), [Distillation(teacher, temperature=2.0, alpha=0.7)])
+    path = tmp_path / "logits.npz"
+    cached = cache_teacher_logits(teacher, (x, y), batch_size=BATCH, top_k=top_k, path=path)
+    for data in (cached, load_teacher_logits(path)):
+        student = compile_student(linear(3))
+        fit(student, data, [Distillation(temperature=2.0, alpha=0.7)])
+        weights_close(student.get_weights(), live.get_weights())

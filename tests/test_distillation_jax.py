@@ -1,0 +1,234 @@
+"""Distillation math and the array cache of teacher logits, on the active backend.
+
+Backend-neutral tests: this module runs on JAX; `test_distillation.py` imports
+its tests to run the same logic on TensorFlow (it imports neither framework at
+the top). References: the KL term in float64 numpy, the teacher's own
+`predict`, numpy sorting for top-k.
+"""
+
+from __future__ import annotations
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+from keras_tpu_mem.distillation import (
+    LOGITS_KEY,
+    TOP_K_INDICES_KEY,
+    TOP_K_VALUES_KEY,
+    TeacherLogits,
+    cache_teacher_logits,
+    distillation_kl,
+    load_teacher_logits,
+)
+
+CLASSES = 7
+
+
+def np64_kl(student, teacher, temperature, top_k=None):
+    """Per-example KL(softmax(t/T) || softmax(s/T)) in float64 (top-k renormalised)."""
+    def log_softmax(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    log_q = log_softmax(np.float64(student) / temperature)
+    t = np.float64(teacher) / temperature
+    if top_k is None:
+        log_p = log_softmax(t)
+        return (np.exp(log_p) * (log_p - log_q)).sum(-1)
+    idx = np.argsort(-t, axis=-1, kind="stable")[..., :top_k]
+    log_p = log_softmax(np.take_along_axis(t, idx, -1))
+    return (np.exp(log_p) * (log_p - np.take_along_axis(log_q, idx, -1))).sum(-1)
+
+
+def _compile(fn):
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.jit(fn)
+    import tensorflow as tf
+
+    return tf.function(fn, jit_compile=True)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 2.5, 7.0])
+@pytest.mark.parametrize("top_k", [None, 3])
+def test_distillation_kl_equals_float64_numpy(temperature, top_k, compiled):
+    rng = np.random.default_rng(0)
+    student = (rng.normal(size=(64, CLASSES)) * 3).astype("float32")
+    teacher = (rng.normal(size=(64, CLASSES)) * 3).astype("float32")
+    if top_k is None:
+        fn = lambda s, t: distillation_kl(s, temperature, t)  # noqa: E731
+        args = (student, teacher)
+    else:
+        idx = np.argsort(-teacher, axis=-1, kind="stable")[..., :top_k].astype("int32")
+        fn = lambda s, v, i: distillation_kl(s, temperature, top_k_values=v,  # noqa: E731
+                                             top_k_indices=i)
+        args = (student, np.take_along_axis(teacher, idx, -1), idx)
+    got = keras.ops.convert_to_numpy((_compile(fn) if compiled else fn)(*args))
+    assert got.dtype == np.float32 and got.shape == (64,)
+    np.testing.assert_allclose(got, np64_kl(student, teacher, temperature, top_k), rtol=1e-4,
+                               atol=1e-7)
+
+
+def test_distillation_kl_of_bfloat16_logits_is_float32():
+    rng = np.random.default_rng(1)
+    student = keras.ops.cast(rng.normal(size=(8, CLASSES)), "bfloat16")
+    teacher = keras.ops.cast(rng.normal(size=(8, CLASSES)), "bfloat16")
+    got = distillation_kl(student, 2.0, teacher)
+    assert keras.backend.standardize_dtype(got.dtype) == "float32"
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(got),
+        np64_kl(keras.ops.convert_to_numpy(keras.ops.cast(student, "float32")),
+                keras.ops.convert_to_numpy(keras.ops.cast(teacher, "float32")), 2.0),
+        rtol=1e-4, atol=1e-7)
+
+
+# ------------------------------------------------------------ array cache
+def _teacher(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(CLASSES)])
+
+
+def _data(n=100, seed=2):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, 5)).astype("float32"),
+            rng.integers(0, CLASSES, n).astype("int32"),
+            rng.uniform(size=n).astype("float32"))
+
+
+def _concat_batches(cached, part=None):
+    """All batches of a TeacherLogits joined: (data leaves, logits dict)."""
+    datas, logits = zip(*(cached[i] for i in range(len(cached))))
+    joined = {k: np.concatenate([b[k] for b in logits]) for k in logits[0]}
+    return datas, joined
+
+
+def test_cached_arrays_equal_predict_in_the_input_order():
+    teacher = _teacher()
+    x, y, _ = _data()
+    cached = cache_teacher_logits(teacher, (x, y), batch_size=32)
+    assert isinstance(cached, TeacherLogits) and isinstance(cached, keras.utils.PyDataset)
+    assert len(cached) == 4 and cached.num_examples == 100 and cached.top_k is None
+    datas, logits = _concat_batches(cached)
+    assert [len(d[0]) for d in datas] == [32, 32, 32, 4]
+    np.testing.assert_array_equal(np.concatenate([d[0] for d in datas]), x)
+    np.testing.assert_array_equal(np.concatenate([d[1] for d in datas]), y)
+    assert set(logits) == {LOGITS_KEY} and logits[LOGITS_KEY].dtype == np.float32
+    np.testing.assert_allclose(logits[LOGITS_KEY], teacher.predict(x, verbose=0), rtol=0,
+                               atol=1e-6)
+    # The element structure Distillation reads: (data, {key: logits}).
+    (bx, by), extras = cached[1]
+    np.testing.assert_array_equal(bx, x[32:64])
+    np.testing.assert_allclose(extras[LOGITS_KEY], logits[LOGITS_KEY][32:64])
+
+
+def test_cached_bare_x_and_sample_weight_keep_their_structure():
+    teacher = _teacher()
+    x, y, sw = _data(40)
+    bare = cache_teacher_logits(teacher, x, batch_size=16)
+    data, _ = bare[0]
+    assert isinstance(data, np.ndarray) and data.shape == (16, 5)
+    weighted = cache_teacher_logits(teacher, (x, y, sw), batch_size=16)
+    (bx, by, bsw), _ = weighted[2]
+    np.testing.assert_array_equal(bsw, sw[32:])
+
+
+def test_cached_top_k_values_and_indices():
+    teacher = _teacher()
+    x, y, _ = _data()
+    full = teacher.predict(x, verbose=0)
+    cached = cache_teacher_logits(teacher, (x, y), batch_size=32, top_k=3)
+    assert cached.top_k == 3
+    _, extras = _concat_batches(cached)
+    values, indices = extras[TOP_K_VALUES_KEY], extras[TOP_K_INDICES_KEY]
+    assert values.shape == (100, 3) and indices.dtype == np.int32
+    np.testing.assert_array_equal(indices, np.argsort(-full, axis=-1, kind="stable")[:, :3])
+    np.testing.assert_allclose(values, np.take_along_axis(full, indices, -1), atol=1e-6)
+    assert np.all(np.diff(values, axis=-1) <= 0)
+
+
+@pytest.mark.parametrize("top_k", [None, 2])
+def test_npz_round_trip(tmp_path, top_k):
+    teacher = _teacher()
+    x, y, sw = _data(50)
+    path = tmp_path / "logits.npz"
+    returned = cache_teacher_logits(teacher, (x, y, sw), batch_size=16, top_k=top_k,
+                                    path=path)
+    loaded = load_teacher_logits(path)
+    assert len(loaded) == len(returned) == 4 and loaded.batch_size == 16
+    for i in range(len(returned)):
+        (a, b) = returned[i], loaded[i]
+        for u, v in zip(keras.tree.flatten(a), keras.tree.flatten(b)):
+            np.testing.assert_array_equal(u, v)
+    rebatched = load_teacher_logits(path, batch_size=25)
+    assert len(rebatched) == 2
+    # The documented format: plain arrays and a JSON metadata string.
+    with np.load(path, allow_pickle=False) as f:
+        names = set(f.files)
+        metadata = json.loads(str(f["metadata"]))
+    expected = {"x", "y", "sample_weight", "metadata"} | (
+        {"logits"} if top_k is None else {"top_k_values", "top_k_indices"})
+    assert names == expected
+    assert metadata["format"] == "keras_tpu_mem.teacher_logits.npz"
+    assert metadata["num_examples"] == 50 and metadata["top_k"] == top_k
+
+
+def test_npz_round_trip_of_dict_inputs(tmp_path):
+    inputs = {"a": keras.Input((3,), name="a"), "b": keras.Input((2,), name="b")}
+    merged = keras.layers.Concatenate()([inputs["a"], inputs["b"]])
+    teacher = keras.Model(inputs, keras.layers.Dense(CLASSES)(merged))
+    rng = np.random.default_rng(3)
+    x = {"a": rng.normal(size=(20, 3)).astype("float32"),
+         "b": rng.normal(size=(20, 2)).astype("float32")}
+    path = tmp_path / "dict.npz"
+    cache_teacher_logits(teacher, (x, np.zeros(20, "int32")), batch_size=8, path=path)
+    (bx, _), extras = load_teacher_logits(path)[2]
+    np.testing.assert_array_equal(bx["b"], x["b"][16:])
+    np.testing.assert_allclose(extras[LOGITS_KEY], teacher.predict(x, verbose=0)[16:],
+                               atol=1e-6)
+
+
+def test_array_cache_bad_arguments(tmp_path):
+    teacher = _teacher()
+    x, y, _ = _data(20)
+    with pytest.raises(ValueError, match="same number of examples"):
+        cache_teacher_logits(teacher, (x, y[:5]))
+    with pytest.raises(ValueError, match=r"x, \(x,\), \(x, y\)"):
+        cache_teacher_logits(teacher, (x, y, y, y))
+    with pytest.raises(TypeError, match="leading example axis"):
+        cache_teacher_logits(teacher, (np.float32(1.0), y))
+    with pytest.raises(ValueError, match="batch_size"):
+        cache_teacher_logits(teacher, (x, y), batch_size=0)
+    with pytest.raises(ValueError, match="ending in '.npz'"):
+        cache_teacher_logits(teacher, (x, y), path=tmp_path / "logits")
+    (tmp_path / "taken.npz").write_bytes(b"")
+    with pytest.raises(ValueError, match="already exists"):
+        cache_teacher_logits(teacher, (x, y), path=tmp_path / "taken.npz")
+    with pytest.raises(ValueError, match="larger than the number of classes"):
+        cache_teacher_logits(teacher, (x, y), top_k=CLASSES + 1)
+    np.savez(tmp_path / "other.npz", x=x)
+    with pytest.raises(ValueError, match="not a keras_tpu_mem teacher-logit cache"):
+        load_teacher_logits(tmp_path / "other.npz")
+
+
+def test_cache_under_data_parallel_equals_plain_predict():
+    if keras.backend.backend() != "jax":
+        pytest.skip("keras.distribution is the JAX backend's")
+    import jax
+
+    x, y, _ = _data()
+    reference = _teacher().predict(x, verbose=0)
+    distribution = keras.distribution.DataParallel(devices=jax.devices())
+    try:
+        with distribution.scope():
+            teacher = _teacher()
+            cached = cache_teacher_logits(teacher, (x, y), batch_size=32)
+    finally:
+        keras.distribution.set_distribution(None)
+    _, logits = _concat_batches(cached)
+    np.testing.assert_allclose(logits[LOGITS_KEY], reference, rtol=0, atol=1e-6)
