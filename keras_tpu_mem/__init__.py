@@ -32,6 +32,7 @@ _EXPORTS = {
     "load_teacher_logits": "distillation",
     "prepare_student": "distillation",
     "strip_teacher_logits": "distillation",
+    "TeacherLogits": "distillation",
     "HBMMonitor": "monitoring",
     "InputRate": "monitoring",
     "ThroughputMonitor": "monitoring",
@@ -60,6 +61,7 @@ _EXPORTS = {
     "strip_pruning": "pruning",
     "write_report": "report",
     "TPUStrategyWrapper": "strategy",
+    "observe_first_batch": "engine",
 }
 
 __all__ = sorted(_EXPORTS)
