@@ -300,3 +300,165 @@ def test_cli_plan_errors_are_messages(tmp_path, capsys):
     assert "device" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "no_colon", "--global-batch", "8"]) == 2
     assert "MODULE:FUNCTION" in capsys.readouterr().err
+
+
+# ------------------------------------------- the engine's own step (issue 16)
+import keras_tpu_mem as ktm  # noqa: E402
+
+MIB = 1024**2
+
+
+def wide_mlp(width=512, depth=8, inputs=512):
+    """The issue's 8 x Dense(512) MLP."""
+    model = keras.Sequential([keras.Input((inputs,))]
+                             + [keras.layers.Dense(width, activation="relu")
+                                for _ in range(depth)]
+                             + [keras.layers.Dense(10)])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def encoder(seq=64, dim=128, heads=4, ffn=512, vocab=1000):
+    """The issue's small transformer encoder (embedding 1000 x 128, 4 heads, FFN 512)."""
+    tokens = keras.Input((seq,), dtype="int32")
+    x = keras.layers.Embedding(vocab, dim)(tokens)
+    attn = keras.layers.MultiHeadAttention(heads, dim // heads)(x, x)
+    x = keras.layers.LayerNormalization()(x + attn)
+    ff = keras.layers.Dense(ffn, activation="gelu")(x)
+    x = keras.layers.LayerNormalization()(x + keras.layers.Dense(dim)(ff))
+    out = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D()(x))
+    model = keras.Model(tokens, out)
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.fixture(scope="module")
+def big_mlp():
+    return wide_mlp()
+
+
+@pytest.fixture(scope="module")
+def small_encoder():
+    return encoder()
+
+
+def test_engine_accumulation_step_holds_one_micro_batch(big_mlp):
+    plain = compiled_memory(big_mlp, 8192, hlo_text=False)
+    micro = compiled_memory(big_mlp, 1024, hlo_text=False)
+    accumulated = compiled_memory(big_mlp, 8192, callbacks=[ktm.GradientAccumulation(8)])
+    assert accumulated.temp_bytes <= 0.25 * plain.temp_bytes, (accumulated, plain)
+    assert accumulated.temp_bytes <= micro.temp_bytes + 16 * MIB, (accumulated, micro)
+    assert accumulated.micro_batches == 8
+    assert accumulated.features == ("GradientAccumulation",)
+    assert accumulated.accumulator_bytes == nbytes(big_mlp.trainable_weights)
+    assert "accumulators" in str(accumulated)
+    # The micro-batch loop is a while loop of the optimized HLO; the plain step has none.
+    assert " while(" in accumulated.hlo_text
+    assert plain.hlo_text == ""
+
+
+def test_compiled_memory_with_callbacks_changes_nothing_and_the_callbacks_still_fit():
+    keras.utils.set_random_seed(3)
+    model = digits_mlp()
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    twin.compile(optimizer="adam",
+                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                 metrics=["accuracy"])
+    weights = [np.array(v) for v in model.weights]
+    policies = [layer.dtype_policy.name for layer in model.layers]
+    callbacks = [ktm.MixedBFloat16(keep_after_fit=True), ktm.GradientAccumulation(2)]
+    result = compiled_memory(model, 32, callbacks=callbacks)
+    assert result.features == ("GradientAccumulation", "MixedBFloat16")  # engine order
+    assert [np.array(v) for v in model.weights[:len(weights)]] and all(
+        np.array_equal(a, np.array(b)) for a, b in zip(weights, model.weights))
+    assert [layer.dtype_policy.name for layer in model.layers] == policies
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert all(cb.model is None for cb in callbacks)
+    # The same callback objects train as fresh ones do on a twin (independent
+    # reference: same weights, same data, new callbacks).
+    x = np.random.default_rng(0).normal(size=(64, 64)).astype("float32")
+    y = (np.arange(64) % 10).astype("int32")
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    twin.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+             callbacks=[ktm.MixedBFloat16(keep_after_fit=True), ktm.GradientAccumulation(2)])
+    for a, b in zip(model.weights, twin.weights):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_engine_step_holds_fewer_temporaries(small_encoder):
+    f32 = compiled_memory(small_encoder, 256, hlo_text=False)
+    bf16 = compiled_memory(small_encoder, 256, callbacks=[ktm.MixedBFloat16()],
+                           hlo_text=False)
+    assert bf16.temp_bytes < f32.temp_bytes, (bf16, f32)
+    assert all(layer.dtype_policy.name == "float32" for layer in small_encoder.layers)
+
+
+def test_compiled_memory_rejects_bad_callbacks(big_mlp):
+    with pytest.raises(TypeError, match="callbacks"):
+        compiled_memory(big_mlp, 8, callbacks=ktm.GradientAccumulation(2))
+    with pytest.raises(TypeError, match=r"callbacks\[1\]"):
+        compiled_memory(big_mlp, 8, callbacks=[ktm.GradientAccumulation(2), "bf16"])
+    with pytest.raises(ValueError, match="more than one"):
+        compiled_memory(big_mlp, 8, callbacks=[ktm.GradientAccumulation(2),
+                                                ktm.GradientAccumulation(4)])
+    with pytest.raises(ValueError, match="steps=3"):
+        compiled_memory(big_mlp, 8, callbacks=[ktm.GradientAccumulation(3)])
+
+
+def test_plan_with_callbacks_is_the_compiled_step(big_mlp):
+    callbacks = [ktm.GradientAccumulation(8)]
+    planned = plan(big_mlp, 8192, device="16GiB", callbacks=callbacks)
+    compiled = compiled_memory(big_mlp, 8192, callbacks=callbacks, hlo_text=False)
+    assert abs(planned.total_bytes - compiled.total_bytes) <= 0.05 * compiled.total_bytes
+    assert planned.accumulation_steps == 8 and planned.micro_batch == 1024
+    assert planned.accumulator_bytes == nbytes(big_mlp.trainable_weights)
+    assert planned.features == ("GradientAccumulation",)
+    plain = plan(big_mlp, 8192, device="16GiB", callbacks=[])
+    assert planned.total_bytes < plain.total_bytes
+    assert "engine's step for GradientAccumulation" in str(planned)
+
+
+def test_plan_extrapolates_beyond_the_compile_cap(big_mlp):
+    # Independent reference: the direct compile at 8192.
+    callbacks = [ktm.GradientAccumulation(8)]
+    direct = compiled_memory(big_mlp, 8192, callbacks=callbacks, hlo_text=False)
+    capped = plan(big_mlp, 8192, device="16GiB", callbacks=callbacks, max_compile_batch=4096)
+    assert capped.extrapolated and max(capped.compiled_batches) <= 4096
+    assert abs(capped.total_bytes - direct.total_bytes) <= 0.05 * direct.total_bytes
+
+
+@pytest.mark.parametrize("callbacks, batch", [
+    (lambda: [ktm.MixedBFloat16()], 256),
+    (lambda: [ktm.GradientAccumulation(4), ktm.MixedBFloat16()], 256),
+], ids=["bf16", "accumulation+bf16"])
+def test_plan_with_callbacks_matches_compile_for_the_encoder(small_encoder, callbacks, batch):
+    planned = plan(small_encoder, batch, device="16GiB", callbacks=callbacks())
+    compiled = compiled_memory(small_encoder, batch, callbacks=callbacks(), hlo_text=False)
+    assert abs(planned.total_bytes - compiled.total_bytes) <= 0.05 * compiled.total_bytes
+
+
+def test_plan_with_callbacks_refuses_the_paper_arguments(big_mlp):
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        plan(big_mlp, 64, device="16GiB", callbacks=[], accumulation_steps=2)
+    with pytest.raises(TypeError, match="search"):
+        plan(big_mlp, 64, device="16GiB", search="yes")
+
+
+def test_search_recommends_callbacks_that_fit_the_budget(small_encoder):
+    plain = compiled_memory(small_encoder, 512, hlo_text=False)
+    budget = int(0.45 * plain.total_bytes)
+    found = plan(small_encoder, 512, device=planning.DeviceBudget("tight", budget, 1, "test"),
+                 headroom=0.0, search=True)
+    rec = found.recommendation
+    assert rec is not None and rec.compiled, found
+    check = compiled_memory(small_encoder, 512, callbacks=rec.callbacks(), hlo_text=False)
+    assert check.total_bytes <= budget, (check, found)
+    assert check.total_bytes == rec.total_bytes
+    text = str(found)
+    assert "search (compiled, cheapest first)" in text and "fits" in text
+    # Cheapest first: every candidate before the recommendation does not fit.
+    assert all(c.total_bytes > budget for c in found.candidates[:-1])
+    assert found.candidates[-1] == rec

@@ -1,0 +1,599 @@
+"""`plan()`: a per-replica memory budget built on XLA compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from collections.abc import Callable, Sequence
+
+from keras_tpu_mem import devices
+from keras_tpu_mem._utils import check_positive_int
+from keras_tpu_mem.planning.budget import (
+    ActivationModel,
+    DeviceBudget,
+    _normalise_precision,
+    model_precision,
+    resolve_device,
+)
+from keras_tpu_mem.planning.compiled import _Compiler, check_callbacks
+from keras_tpu_mem.planning.search import (
+    MAX_COMPILE_BATCH,
+    candidates_table,
+    compiled_plan,
+)
+from keras_tpu_mem.planning.specs import _spec_bytes, _unique, _variable_bytes
+
+# Per-replica batches planned by compiling them directly: at most this.
+_MAX_DIRECT_BATCH = 64
+# Batches compiled to extrapolate larger ones. XLA's temp bytes are not
+# linear at the smallest batches (a digits MLP's temporaries jump 5x from
+# batch 1 to 2 and grow at half their later per-sample rate up to batch 32:
+# kernels and fusions change), but grow linearly from a few dozen rows on, so
+# the slope comes from two batches there.
+_DEFAULT_COMPILE_BATCHES = (32, 64)
+# A middle point further than this from the line through its neighbours
+# gets a note in the plan.
+_LINEARITY_TOLERANCE = 0.05
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """A configuration that fits: the levers to pull and its bytes per replica.
+
+    Attributes:
+        accumulation_steps: Micro-batches per update (1: no accumulation).
+        micro_batch: Examples per micro-batch.
+        total_bytes: The configuration's total per replica (compiled where
+            `compiled` is True, else the plan's estimate).
+        bf16: Whether it computes in bfloat16 (`ktm.MixedBFloat16`).
+        rematerialize: Whether layers' activations are recomputed in the
+            backward pass (`ktm.Rematerialize`).
+        compiled: Whether `total_bytes` comes from an XLA compile of the
+            engine's step for `callbacks()` (the search), not from scaling.
+    """
+
+    accumulation_steps: int
+    micro_batch: int
+    total_bytes: int
+    bf16: bool = False
+    rematerialize: bool = False
+    compiled: bool = False
+
+    def callbacks(self) -> list:
+        """The feature callbacks that realise this configuration, ready for `fit`.
+
+        Example:
+
+        ```python
+        p = ktm.plan(model, 4096, device="v3-8", search=True)
+        model.fit(ds, callbacks=p.recommendation.callbacks())
+        ```
+        """
+        import keras_tpu_mem as ktm
+
+        out = []
+        if self.accumulation_steps > 1:
+            out.append(ktm.GradientAccumulation(self.accumulation_steps))
+        if self.bf16:
+            out.append(ktm.MixedBFloat16())
+        if self.rematerialize:
+            from keras_tpu_mem.remat import Rematerialize
+
+            out.append(Rematerialize())
+        return out
+
+    def describe(self) -> str:
+        parts = []
+        if self.accumulation_steps > 1:
+            parts.append(f"GradientAccumulation({self.accumulation_steps}) "
+                         f"(micro-batch {self.micro_batch})")
+        if self.bf16:
+            parts.append("MixedBFloat16()")
+        if self.rematerialize:
+            parts.append("Rematerialize()")
+        return " + ".join(parts) or "as it is"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-replica memory budget of a training configuration.
+
+    All byte counts are per replica. `activation_bytes` are XLA's temporaries
+    of the train step at the micro-batch (activations kept for the backward
+    pass, the gradients XLA keeps live, workspace). `gradient_bytes` is one
+    full set of gradients, the most of them that can be live at once; XLA
+    computes them inside its temporaries (often fused into the update), so they
+    are reported but not added to the total a second time.
+    """
+
+    device: DeviceBudget
+    global_batch_size: int
+    per_replica_batch: int
+    accumulation_steps: int
+    micro_batch: int
+    precision: str
+    model_precision: str
+    headroom: float
+    weight_bytes: int
+    trainable_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    accumulator_bytes: int
+    activation_bytes: int
+    data_bytes: int
+    other_bytes: int
+    activations_per_sample: float
+    activations_fixed: float
+    compiled_batches: tuple[int, ...]
+    extrapolated: bool
+    recommendation: Recommendation | None
+    bf16_activation_bytes: int | None
+    bf16_total_bytes: int | None
+    bf16_recommendation: Recommendation | None
+    largest_batch: int = 0
+    bf16_largest_batch: int | None = None
+    notes: tuple[str, ...] = ()
+    #: Names of the feature callbacks whose engine step was compiled (`callbacks=`).
+    features: tuple[str, ...] = ()
+    #: Candidates the search compiled, cheapest first (`search=True`).
+    candidates: tuple = ()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.device.capacity_bytes
+
+    @property
+    def usable_bytes(self) -> int:
+        """Capacity minus the headroom kept for what the plan does not model."""
+        return int(self.device.capacity_bytes * (1.0 - self.headroom))
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.weight_bytes + self.optimizer_bytes + self.accumulator_bytes
+                + self.activation_bytes + self.data_bytes + self.other_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.usable_bytes
+
+    @property
+    def bf16_fits(self) -> bool | None:
+        if self.bf16_total_bytes is None:
+            return None
+        return self.bf16_total_bytes <= self.usable_bytes
+
+    def table(self) -> str:
+        fb = devices.format_bytes
+        k = self.accumulation_steps
+        d = self.device
+        batch = (f"global batch {self.global_batch_size} = {d.replicas} replica(s) x "
+                 f"{self.per_replica_batch}")
+        if k > 1:
+            batch += f" = {k} micro-batches of {self.micro_batch}"
+        how = ("compiled at this batch" if not self.extrapolated else
+               f"extrapolated from XLA compiles at batches "
+               f"{', '.join(map(str, self.compiled_batches))}")
+        if self.features:
+            how = (f"the engine's step for {', '.join(self.features)}, "
+                   + ("compiled at this batch" if not self.extrapolated else
+                      "extrapolated per sample from its compiles at per-replica batches "
+                      + ", ".join(map(str, self.compiled_batches))))
+        elif self.precision != self.model_precision:
+            how += f"; {self.precision} estimated from the {self.model_precision} compiles"
+        lines = [
+            f"Memory plan on {d.name} ({fb(d.capacity_bytes)} per replica), {self.precision}",
+            f"  {batch}",
+            f"  {'weights':<24}{fb(self.weight_bytes):>12}",
+            f"  {'optimizer slots':<24}{fb(self.optimizer_bytes):>12}",
+            f"  {'gradient accumulators':<24}{fb(self.accumulator_bytes):>12}"
+            + ("" if k > 1 else "  (no accumulation)"),
+            f"  {'activations+workspace':<24}{fb(self.activation_bytes):>12}  "
+            f"XLA temporaries at batch {self.micro_batch}: "
+            f"{fb(self.activations_per_sample)}/sample + {fb(self.activations_fixed)} fixed "
+            f"({how})",
+            f"  {'  incl. gradients':<24}{fb(self.gradient_bytes):>12}  at most, "
+            "one per trainable weight",
+            f"  {'input batch':<24}{fb(self.data_bytes):>12}",
+            f"  {'other':<24}{fb(self.other_bytes):>12}  metric state, results, constants",
+            f"  {'total':<24}{fb(self.total_bytes):>12}  of {fb(self.usable_bytes)} usable "
+            f"({fb(d.capacity_bytes)} - {self.headroom:.0%} headroom)",
+            f"  fits: {'yes' if self.fits else 'NO'}; largest per-replica batch that fits "
+            f"without accumulation: {self.largest_batch}",
+        ]
+        rec = self.recommendation
+        if self.fits:
+            pass
+        elif rec is not None and rec.compiled:
+            lines.append(f"  -> fits with {rec.describe()}: {fb(rec.total_bytes)} compiled "
+                         "(callbacks: plan.recommendation.callbacks())")
+        elif rec is not None:
+            lines.append(
+                f"  -> fits with accumulation_steps={rec.accumulation_steps} "
+                f"(micro-batch {rec.micro_batch}): {fb(rec.total_bytes)}"
+            )
+        else:
+            lines.append("  -> does not fit even with one example per micro-batch")
+        if self.bf16_total_bytes is not None:
+            line = (f"  bf16 compute (mixed_bfloat16, estimate): activations "
+                    f"{fb(self.bf16_activation_bytes)}, total {fb(self.bf16_total_bytes)}, "
+                    f"fits: {'yes' if self.bf16_fits else 'no'}, largest per-replica batch "
+                    f"{self.bf16_largest_batch}")
+            brec = self.bf16_recommendation
+            if not self.bf16_fits and brec is not None:
+                line += (f"; with accumulation_steps={brec.accumulation_steps} "
+                         f"(micro-batch {brec.micro_batch}): {fb(brec.total_bytes)}")
+            lines.append(line)
+        if self.candidates:
+            lines.append(candidates_table(self.candidates, self.usable_bytes))
+        for note in self.notes:
+            lines.extend(textwrap.wrap(note, width=96, initial_indent="  note: ",
+                                       subsequent_indent="        "))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+_NOT_MODELLED = (
+    "XLA's CPU compile is the reference: it does not apply TPU layout padding "
+    "(TPU tiles the two minor dimensions to multiples of 8 x 128 for float32, "
+    "16 x 128 for bfloat16, so small or odd feature sizes grow), the TPU compiler's "
+    "own fusion and scheduling, nor the runtime's reserved HBM and fragmentation; "
+    "the headroom covers these. Keep feature sizes multiples of 128."
+)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _recommend(per_replica, budget, fixed_state, trainable, act, data, other):
+    for k in _divisors(per_replica):
+        micro = per_replica // k
+        accum = trainable if k > 1 else 0
+        total = int(fixed_state + accum + act(micro) + data + other)
+        if total <= budget:
+            return Recommendation(k, micro, total)
+    return None
+
+
+def _bf16_estimate(act: ActivationModel, trainable_bytes: int) -> ActivationModel:
+    """Temporaries under mixed_bfloat16, estimated from a float32 compile.
+
+    Activations (the per-sample part) are stored in bfloat16: half the bytes.
+    The batch-independent part (gradients, which stay float32 because the
+    variables do, and workspace) is kept, plus a bfloat16 copy of the weights,
+    which Keras' autocast makes for the forward and backward pass. This is
+    what a TPU computes natively; XLA on the host CPU keeps many bfloat16
+    intermediates in float32, so a CPU compile of a bf16 model shows more.
+    """
+    return act.scaled(0.5, trainable_bytes / 2)
+
+
+def _largest_batch(budget, fixed_state, act, data_per_sample, other, limit=1 << 24) -> int:
+    """Largest batch b with fixed_state + act(b) + data(b) + other <= budget (0: none)."""
+    def fits(b):
+        return fixed_state + act(b) + data_per_sample * b + other <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _validate_plan_args(global_batch_size, headroom, accumulation_steps, compile_batches):
+    check_positive_int(global_batch_size, "global_batch_size")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
+        raise TypeError(f"`headroom` must be a float in [0, 1), got {headroom!r}.")
+    if not 0.0 <= float(headroom) < 1.0:
+        raise ValueError(
+            f"`headroom` must be in [0, 1) (a fraction of capacity kept free), got {headroom}."
+        )
+    if accumulation_steps is not None:
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
+            raise TypeError(
+                "`accumulation_steps` must be None or an int >= 1, got "
+                f"{accumulation_steps!r}."
+            )
+        if accumulation_steps < 1:
+            raise ValueError(
+                f"`accumulation_steps` must be None or an int >= 1, got {accumulation_steps}."
+            )
+    if compile_batches is not None:
+        if not isinstance(compile_batches, Sequence) or not compile_batches:
+            raise TypeError(
+                "`compile_batches` must be None or a non-empty sequence of positive ints, "
+                f"got {compile_batches!r}."
+            )
+        for b in compile_batches:
+            check_positive_int(b, "compile_batches[i]")
+
+
+def plan(
+    model,
+    global_batch_size: int,
+    *,
+    device="v3-8",
+    accumulation_steps: int | None = None,
+    precision: str | None = None,
+    headroom: float = 0.10,
+    compile_batches: Sequence[int] | None = None,
+    x_spec=None,
+    y_spec=None,
+    progress: Callable[[int, int, int | None], None] | None = None,
+    callbacks=None,
+    search: bool = False,
+    max_compile_batch: int = MAX_COMPILE_BATCH,
+) -> MemoryPlan:
+    """Plans one replica's memory for training `model` at `global_batch_size`.
+
+    Weights and optimizer slots are counted from the model's variables (the
+    optimizer is built if it is not yet). Activations are XLA's temporaries of
+    the compiled train step (see `compiled_memory`) at the per-replica
+    micro-batch: compiled directly when that batch is at most 64, else
+    extrapolated per sample from compiles at `compile_batches` (default 32 and
+    64: XLA's temp bytes are not linear at the smallest batches, which is why
+    1 and 2 are not the default). With `accumulation_steps=k` the step
+    holds the activations of one micro-batch (per-replica batch / k) plus one
+    set of gradient accumulators as large as the trainable weights, as
+    `ktm.GradientAccumulation` does.
+
+    Args:
+        model: A compiled `keras.Model` (built under any strategy, or none).
+        global_batch_size: Examples per step over all replicas.
+        device: A TPU type (`"v3-8"`, `"v4-32"`, `"v5litepod-16"`: capacity per
+            replica from `ktm.HBM_TABLE`), a size (`"12GiB"`, `"16GB-4"`), or a
+            `DeviceBudget`.
+        accumulation_steps: Micro-batches per replica step (None or 1: none).
+            Must divide the per-replica batch.
+        precision: None (as the model is), `"float32"` or `"mixed_bfloat16"`;
+            a precision other than the model's is estimated by scaling the
+            per-sample activations (x0.5 to bf16, x2 to float32), weights,
+            gradients and slots unchanged (mixed_bfloat16 keeps float32
+            variables).
+        headroom: Fraction of capacity kept free for what the plan does not
+            model (TPU layout padding, fragmentation, runtime buffers).
+        compile_batches: Batches to compile for the extrapolation (more
+            compile time for big models is spent here; e.g. `(1, 2)` for a
+            model whose every example is already a long sequence).
+        x_spec, y_spec: Data specs where the model cannot tell (see
+            `compiled_memory`).
+        progress: Optional callable `progress(done, total, batch_size)`, for
+            long compiles: called before each XLA compile with the compiles
+            finished so far, the number planned and the batch about to be
+            compiled, and once after the last with `done == total` and
+            `batch_size=None`. `keras-tpu-mem plan` prints a line from it.
+        callbacks: The callbacks you pass to `fit`. Given (even `[]`), the plan
+            is built on compiles of **the engine's step for them** (see
+            `compiled_memory(..., callbacks=...)`): compiled at the
+            per-replica batch up to `max_compile_batch`, extrapolated per
+            sample from two compiles below it only beyond. `accumulation_steps`,
+            `precision` and `compile_batches` are then refused: the callbacks
+            say it (`GradientAccumulation`, `MixedBFloat16`).
+        search: Also search the levers: compile gradient accumulation
+            (divisors of the per-replica batch), bfloat16 compute and
+            rematerialisation (`ktm.Rematerialize`, where the backend supports
+            it), cheapest first (fewest micro-batches, then least
+            recomputation), and recommend the first that fits, with its
+            compiled bytes; `plan.recommendation.callbacks()` realises it and
+            `plan.candidates` lists what was tried (printed as a table). Other
+            feature callbacks (distillation, pruning) stay in every candidate.
+        max_compile_batch: The largest per-replica batch compiled directly
+            (with `callbacks` or `search`).
+
+    Example:
+
+    ```python
+    p = ktm.plan(model, 4096, device="v3-8", search=True)
+    print(p)                                   # the plan and the candidates tried
+    model.fit(ds, callbacks=p.recommendation.callbacks())
+    ```
+
+    Returns:
+        A `MemoryPlan`; `print` it for the table and the recommendation.
+
+    Raises:
+        ValueError / TypeError for bad arguments, naming what is accepted.
+    """
+    _validate_plan_args(global_batch_size, headroom, accumulation_steps, compile_batches)
+    if not isinstance(search, bool):
+        raise TypeError(f"`search` must be True or False, got {search!r}.")
+    check_positive_int(max_compile_batch, "max_compile_batch")
+    if callbacks is not None or search:
+        return _plan_on_compiles(model, global_batch_size, device, callbacks, search,
+                                 accumulation_steps, precision, headroom, compile_batches,
+                                 x_spec, y_spec, progress, max_compile_batch)
+    budget_device = resolve_device(device)
+    wanted_precision = _normalise_precision(precision)
+    replicas = budget_device.replicas
+    if global_batch_size % replicas:
+        raise ValueError(
+            f"`global_batch_size` {global_batch_size} does not split evenly over the "
+            f"{replicas} replicas of {budget_device.name}; use a multiple of {replicas}."
+        )
+    per_replica = global_batch_size // replicas
+    k = accumulation_steps or 1
+    if per_replica % k:
+        raise ValueError(
+            f"`accumulation_steps`={k} must divide the per-replica batch {per_replica} "
+            f"(global {global_batch_size} / {replicas} replicas); divisors: "
+            f"{', '.join(map(str, _divisors(per_replica)))}."
+        )
+    micro = per_replica // k
+
+    compiler = _Compiler(model, x_spec, y_spec, what="plan")
+    if compile_batches is not None:
+        batches = sorted(set(compile_batches))
+    elif micro <= _MAX_DIRECT_BATCH:
+        batches = sorted({micro, *_DEFAULT_COMPILE_BATCHES})
+    else:
+        batches = list(_DEFAULT_COMPILE_BATCHES)
+    if progress is not None and not callable(progress):
+        raise TypeError(f"`progress` must be None or a callable, got {progress!r}.")
+    results = []
+    for done, batch in enumerate(batches):
+        if progress is not None:
+            progress(done, len(batches), batch)
+        results.append(compiler(batch))
+    if progress is not None:
+        progress(len(batches), len(batches), None)
+    act = ActivationModel(tuple((r.batch_size, r.temp_bytes) for r in results))
+    ref = results[-1]
+    own_precision = model_precision(compiler.user_model)
+    precision_used = wanted_precision or own_precision
+    trainable = _variable_bytes(_unique(compiler.user_model.trainable_weights))
+    notes = []
+    if precision_used != own_precision:
+        to_bf16 = precision_used == "mixed_bfloat16"
+        act = _bf16_estimate(act, trainable) if to_bf16 else act.scaled(2.0, -trainable / 2)
+        notes.append(
+            f"{precision_used} estimated from the {own_precision} compile (per-sample "
+            f"activations x{0.5 if to_bf16 else 2.0:g}, a bfloat16 copy of the weights "
+            f"{'added' if to_bf16 else 'removed'}); compile a {precision_used} model "
+            "for XLA's own numbers."
+        )
+    err = act.linearity_error()
+    if err is not None and err > _LINEARITY_TOLERANCE:
+        notes.append(
+            f"XLA temp bytes are not linear over batches {batches[-3:]} (middle point "
+            f"{err:.0%} off the line); the extrapolation is less certain."
+        )
+    if compiler.copied:
+        notes.append("compiled on a host copy of the model (it was built under a "
+                     "tf.distribute strategy).")
+
+    weights = ref.weight_bytes
+    optimizer = ref.optimizer_bytes
+    other = (ref.state_bytes - weights - optimizer) + (ref.live_out_bytes - ref.alias_bytes) \
+        + ref.constant_bytes
+    other = max(0, int(other))
+    data_bytes = _spec_bytes(compiler.specs(per_replica))
+    accum = trainable if k > 1 else 0
+    activation = int(round(act(micro)))
+    usable = int(budget_device.capacity_bytes * (1.0 - float(headroom)))
+    state = weights + optimizer
+    recommendation = _recommend(per_replica, usable, state, trainable, act, data_bytes, other)
+
+    per_sample_data = data_bytes / per_replica
+    largest = _largest_batch(usable, state, act, per_sample_data, other)
+    bf16_act = bf16_total = bf16_rec = bf16_largest = None
+    if precision_used == "float32":
+        bf16_model = _bf16_estimate(act, trainable)
+        bf16_act = int(round(bf16_model(micro)))
+        bf16_total = state + accum + bf16_act + data_bytes + other
+        bf16_rec = _recommend(per_replica, usable, state, trainable, bf16_model,
+                              data_bytes, other)
+        bf16_largest = _largest_batch(usable, state, bf16_model, per_sample_data, other)
+    notes.append(_NOT_MODELLED)
+    return MemoryPlan(
+        device=budget_device,
+        global_batch_size=global_batch_size,
+        per_replica_batch=per_replica,
+        accumulation_steps=k,
+        micro_batch=micro,
+        precision=precision_used,
+        model_precision=own_precision,
+        headroom=float(headroom),
+        weight_bytes=weights,
+        trainable_bytes=trainable,
+        gradient_bytes=trainable,
+        optimizer_bytes=optimizer,
+        accumulator_bytes=accum,
+        activation_bytes=activation,
+        data_bytes=data_bytes,
+        other_bytes=other,
+        activations_per_sample=act.per_sample_bytes,
+        activations_fixed=act.fixed_bytes,
+        compiled_batches=tuple(batches),
+        extrapolated=micro not in batches,
+        recommendation=recommendation,
+        bf16_activation_bytes=bf16_act,
+        bf16_total_bytes=bf16_total,
+        bf16_recommendation=bf16_rec,
+        largest_batch=largest,
+        bf16_largest_batch=bf16_largest,
+        notes=tuple(notes),
+    )
+
+
+def load_model_factory(spec: str):
+    """Imports `MODULE:FUNCTION` (a dotted module or a .py path) and returns FUNCTION."""
+    import importlib
+    import importlib.util
+    import os
+
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(
+            f"--model must be MODULE:FUNCTION (e.g. 'examples.bert_memory:build_model' or "
+            f"'path/to/file.py:build'), got {spec!r}."
+        )
+    module_name, _, func_name = spec.rpartition(":")
+    if module_name.endswith(".py") or os.sep in module_name:
+        if not os.path.exists(module_name):
+            raise ValueError(f"--model: no such file {module_name!r}.")
+        mod_spec = importlib.util.spec_from_file_location(
+            os.path.splitext(os.path.basename(module_name))[0], module_name)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        import sys
+
+        if os.getcwd() not in sys.path:  # console scripts do not put "." on sys.path
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(f"--model: cannot import {module_name!r}: {err}") from err
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ValueError(f"--model: {module_name!r} has no callable {func_name!r}.")
+    return func
+
+
+
+def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accumulation_steps,
+                      precision, headroom, compile_batches, x_spec, y_spec, progress, cap):
+    """`plan(..., callbacks=...)` / `plan(..., search=True)`: see `search.compiled_plan`."""
+    import keras
+
+    for name, value in (("accumulation_steps", accumulation_steps), ("precision", precision),
+                        ("compile_batches", compile_batches)):
+        if value is not None:
+            raise ValueError(
+                f"plan: `{name}` is for the estimate without callbacks; with `callbacks` "
+                "(or `search=True`) the compiled step says it: pass "
+                "ktm.GradientAccumulation(k) / ktm.MixedBFloat16() in `callbacks`.")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"`progress` must be None or a callable, got {progress!r}.")
+    features = check_callbacks(callbacks, "plan")
+    budget_device = resolve_device(device)
+    replicas = budget_device.replicas
+    if global_batch_size % replicas:
+        raise ValueError(
+            f"`global_batch_size` {global_batch_size} does not split evenly over the "
+            f"{replicas} replicas of {budget_device.name}; use a multiple of {replicas}."
+        )
+    per_replica = global_batch_size // replicas
+    notes = []
+    if keras.backend.backend() == "jax":
+        raise NotImplementedError(
+            "plan(..., callbacks=...) / plan(..., search=True) on the JAX backend is not "
+            "implemented yet; use KERAS_BACKEND=tensorflow for now.")
+    compiler = _Compiler(model, x_spec, y_spec, what="plan")
+    if compiler.copied:
+        notes.append("compiled on a host copy of the model (it was built under a "
+                     "tf.distribute strategy).")
+    wrapped = None
+    if progress is not None:
+        def wrapped(done, total, batch):
+            progress(done, done + (batch is not None), batch)
+    return compiled_plan(compiler, features, budget_device=budget_device,
+                         global_batch_size=global_batch_size, per_replica=per_replica,
+                         headroom=headroom, search=search, cap=cap, progress=wrapped,
+                         notes=notes)

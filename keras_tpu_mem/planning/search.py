@@ -1,0 +1,271 @@
+"""`plan(..., callbacks=...)` and `plan(..., search=True)`: plans built on compiles.
+
+A plan for given callbacks compiles the engine's step for exactly those
+callbacks (`compiled_memory(..., callbacks=...)`) at the requested per-replica
+batch, up to `max_compile_batch`; only beyond it is the step compiled at two
+smaller batches (with the same callbacks) and its temporaries extrapolated per
+sample. A compile that reports no temporaries at all for a model with
+trainable weights is not trusted (JAX's CPU compile did that at some small
+batches): the batch is doubled until the compile holds temporaries.
+
+The search compiles candidates built from the levers — gradient accumulation
+(divisors of the per-replica batch), bfloat16 compute, rematerialisation —
+cheapest first (fewest micro-batches; at equal micro-batches no recomputation
+before recomputation; float32 before bfloat16, which changes the numerics),
+and stops at the first that fits.
+"""
+
+from __future__ import annotations
+
+from keras_tpu_mem import devices
+from keras_tpu_mem.planning.budget import ActivationModel, model_precision
+from keras_tpu_mem.planning.specs import _spec_bytes, _unique, _variable_bytes
+
+#: Per-replica batches compiled directly by a plan with callbacks: at most this.
+MAX_COMPILE_BATCH = 8192
+
+# Feature kinds the search sets itself (engine `Feature.name`s).
+_LEVER_NAMES = ("micro_batching", "compute_policy", "rematerialize")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _has(features, name: str) -> bool:
+    return any(f.name == name for f in features)
+
+
+class CompiledStep:
+    """Compiles of one configuration: direct where affordable, else extrapolated.
+
+    Attributes:
+        batches: Per-replica batches compiled.
+        results: Their `CompiledMemory`s.
+        extrapolated: Whether the requested batch was beyond the cap.
+    """
+
+    def __init__(self, compile_fn, features, per_replica: int, cap: int, progress=None):
+        self.features = tuple(features)
+        self.per_replica = per_replica
+        divisor = _divisor_for(self.features, per_replica)
+        if per_replica <= cap:
+            batches = [per_replica]
+        else:
+            # Two batches below the cap that every feature can split like the
+            # requested one (multiples of its divisor), a factor 2 apart.
+            fitting = [b for b in _divisors(per_replica) if b <= cap and b % divisor == 0]
+            if len(fitting) < 2:
+                raise ValueError(
+                    f"plan: cannot extrapolate the per-replica batch {per_replica}: no two "
+                    f"batches up to max_compile_batch={cap} divide it and split into the "
+                    "same micro-batches; raise max_compile_batch.")
+            top = fitting[-1]
+            low = max((b for b in fitting if b <= top // 2), default=fitting[-2])
+            batches = [low, top]
+        results = []
+        for batch in batches:
+            results.append(self._trusted(compile_fn, batch, cap, divisor, progress))
+        self.results = results
+        self.batches = tuple(r.batch_size for r in results)
+        self.extrapolated = per_replica not in self.batches
+
+    def _trusted(self, compile_fn, batch, cap, divisor, progress):
+        result = compile_fn(batch, self.features, progress)
+        # XLA keeps the gradients of every trainable weight somewhere: a step
+        # with none in its temporaries is not a plan (seen on JAX's CPU compile
+        # at small batches). Double the batch until it holds some.
+        tries = 0
+        while result.temp_bytes == 0 and result.weight_bytes > 0 and tries < 4:
+            batch *= 2
+            tries += 1
+            result = compile_fn(batch, self.features, progress)
+        return result
+
+    @property
+    def reference(self):
+        return self.results[-1]
+
+    def temp_bytes(self) -> float:
+        """Temporaries at the requested batch (compiled, or along the line of two compiles)."""
+        if not self.extrapolated:
+            return float(self.reference.temp_bytes)
+        model = ActivationModel(tuple((r.batch_size, r.temp_bytes) for r in self.results))
+        return model(self.per_replica)
+
+    def total_bytes(self, data_bytes: int) -> int:
+        """The step's total at the requested batch (its data at that batch)."""
+        ref = self.reference
+        if not self.extrapolated:
+            return ref.total_bytes
+        return int(ref.total_bytes - ref.temp_bytes - ref.data_bytes
+                   + self.temp_bytes() + data_bytes)
+
+
+def _divisor_for(features, per_replica: int) -> int:
+    """What the batch must be a multiple of for these features (1: anything)."""
+    for feature in features:
+        requirement = getattr(feature, "_requirement", None)
+        if requirement is not None and feature.name == "micro_batching":
+            return int(requirement()[1])
+    return 1
+
+
+def _lever_features(k: int, bf16: bool, remat: bool) -> list:
+    import keras_tpu_mem as ktm
+
+    out = []
+    if k > 1:
+        out.append(ktm.GradientAccumulation(k))
+    if bf16:
+        out.append(ktm.MixedBFloat16())
+    if remat:
+        from keras_tpu_mem.remat import Rematerialize
+
+        out.append(Rematerialize())
+    return out
+
+
+def _remat_available() -> bool:
+    """Whether the search tries `Rematerialize()` (mode="layers"): JAX only.
+
+    On TensorFlow only its activation functions can be recomputed (whole layers
+    crash in fit, keras-team/keras#21207), which XLA mostly fuses already: not
+    a lever worth a compile per candidate.
+    """
+    import keras
+
+    return keras.backend.backend() == "jax"
+
+
+def search_levers(compile_fn, base_features, per_replica: int, usable: int, data_bytes: int,
+                  cap: int, model, progress=None):
+    """Compiles candidates cheapest first; returns `(candidates, first that fits or None)`.
+
+    Each candidate is a `Recommendation` with `compiled=True` and its compiled
+    total. Candidates: k in the divisors of `per_replica` (ascending); for each,
+    as it is, bfloat16 compute, rematerialisation, both (bfloat16 only when the
+    model computes in float32; rematerialisation where the backend supports it).
+    """
+    from keras_tpu_mem.planning.planner import Recommendation
+
+    base = [f for f in base_features if f.name not in _LEVER_NAMES]
+    bf16_options = [False, True] if model_precision(model) == "float32" else [False]
+    remat_options = [False, True] if _remat_available() else [False]
+    candidates = []
+    for k in _divisors(per_replica):
+        for remat in remat_options:
+            for bf16 in bf16_options:
+                features = base + _lever_features(k, bf16, remat)
+                step = CompiledStep(compile_fn, features, per_replica, cap, progress)
+                total = step.total_bytes(data_bytes)
+                rec = Recommendation(k, per_replica // k, int(total), bf16=bf16,
+                                     rematerialize=remat, compiled=True)
+                candidates.append(rec)
+                if total <= usable:
+                    return tuple(candidates), rec
+    return tuple(candidates), None
+
+
+def candidates_table(candidates, usable: int) -> str:
+    """The candidates a search compiled, as a table."""
+    fb = devices.format_bytes
+    lines = ["  search (compiled, cheapest first):",
+             f"    {'micro-batches':>13}  {'micro-batch':>11}  {'bf16':<4}  {'remat':<5}  "
+             f"{'total':>12}  fits"]
+    for c in candidates:
+        lines.append(
+            f"    {c.accumulation_steps:>13}  {c.micro_batch:>11}  "
+            f"{'yes' if c.bf16 else 'no':<4}  {'yes' if c.rematerialize else 'no':<5}  "
+            f"{fb(c.total_bytes):>12}  {'yes' if c.total_bytes <= usable else 'no'}")
+    return "\n".join(lines)
+
+
+def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
+                  per_replica: int, headroom: float, search: bool, cap: int, progress=None,
+                  notes=()):
+    """A `MemoryPlan` from compiles of the engine's step for `features`."""
+    from keras_tpu_mem.planning.planner import (
+        _NOT_MODELLED,
+        MemoryPlan,
+        _largest_batch,
+    )
+
+    calls = [0]
+
+    def compile_fn(batch, feats, progress_fn):
+        if progress_fn is not None:
+            progress_fn(calls[0], None, batch)
+        calls[0] += 1
+        return compiler(batch, feats, False)
+
+    user_model = compiler.user_model
+    step = CompiledStep(compile_fn, features, per_replica, cap, progress)
+    ref = step.reference
+    data_bytes = _spec_bytes(compiler.specs(per_replica))
+    total = step.total_bytes(data_bytes)
+    k = ref.micro_batches
+    micro = per_replica // k
+    accum = ref.accumulator_bytes
+    temps = int(round(step.temp_bytes()))
+    activation = temps - accum
+    weights, optimizer = ref.weight_bytes, ref.optimizer_bytes
+    other = int(total - weights - optimizer - accum - activation - data_bytes)
+    usable = int(budget_device.capacity_bytes * (1.0 - float(headroom)))
+    trainable = _variable_bytes(_unique(user_model.trainable_weights))
+    if step.extrapolated:
+        act = ActivationModel(tuple((r.batch_size, r.temp_bytes - r.accumulator_bytes)
+                                    for r in step.results))
+        per_sample, fixed = act.per_sample_bytes, act.fixed_bytes
+    else:
+        per_sample, fixed = activation / max(per_replica, 1), 0.0
+        act = ActivationModel(((per_replica, max(activation, 0)),))
+    largest = _largest_batch(usable, weights + optimizer, act, data_bytes / per_replica,
+                             other) if k == 1 else 0
+    candidates, recommendation = (), None
+    if search:
+        candidates, recommendation = search_levers(
+            compile_fn, features, per_replica, usable, data_bytes, cap, user_model, progress)
+    if progress is not None:
+        progress(calls[0], calls[0], None)
+    names = tuple(type(f).__name__ for f in sorted(features, key=lambda f: (f.order, f.name)))
+    bf16 = _has(features, "compute_policy")
+    notes = list(notes)
+    if not step.extrapolated:
+        notes.append("activations per sample: the compiled temporaries divided by the "
+                     "batch (one compile; the fixed part is not separated).")
+    if search and recommendation is None:
+        notes.append("no candidate of the search fits: a smaller global batch, more "
+                     "replicas or a larger device.")
+    notes.append(_NOT_MODELLED)
+    return MemoryPlan(
+        device=budget_device,
+        global_batch_size=global_batch_size,
+        per_replica_batch=per_replica,
+        accumulation_steps=k,
+        micro_batch=micro,
+        precision="mixed_bfloat16" if bf16 else model_precision(user_model),
+        model_precision=model_precision(user_model),
+        headroom=float(headroom),
+        weight_bytes=weights,
+        trainable_bytes=trainable,
+        gradient_bytes=trainable,
+        optimizer_bytes=optimizer,
+        accumulator_bytes=accum,
+        activation_bytes=activation,
+        data_bytes=data_bytes,
+        other_bytes=other,
+        activations_per_sample=per_sample,
+        activations_fixed=fixed,
+        compiled_batches=step.batches,
+        extrapolated=step.extrapolated,
+        recommendation=recommendation,
+        bf16_activation_bytes=None,
+        bf16_total_bytes=None,
+        bf16_recommendation=None,
+        largest_batch=largest,
+        bf16_largest_batch=None,
+        notes=tuple(notes),
+        features=names,
+        candidates=candidates,
+    )

@@ -1,0 +1,202 @@
+"""Data specs and byte counts shared by the compile readers and the plan."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from keras_tpu_mem._utils import check_positive_int
+
+
+# --------------------------------------------------------------------------
+# validation helpers
+# --------------------------------------------------------------------------
+def _check_model(model, what: str):
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"{what}: `model` must be a keras.Model, got {type(model).__name__}.")
+    if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", False):
+        raise ValueError(
+            f"{what}: compile the model first (model.compile(optimizer=..., loss=...)): "
+            "the train step it plans includes the loss, gradients and optimizer update."
+        )
+
+
+def _dtype_size(dtype) -> int:
+    import numpy as np
+
+    name = str(getattr(dtype, "name", dtype))
+    if name == "bfloat16":
+        return 2
+    return int(np.dtype(name).itemsize)
+
+
+def _variable_bytes(variables) -> int:
+    total = 0
+    for v in variables:
+        total += int(math.prod(int(d) for d in v.shape)) * _dtype_size(v.dtype)
+    return total
+
+
+def _unique(variables):
+    seen, out = set(), []
+    for v in variables:
+        key = id(getattr(v, "value", v))
+        if key not in seen:
+            seen.add(key)
+            out.append(v)
+    return out
+
+
+# --------------------------------------------------------------------------
+# data specs
+# --------------------------------------------------------------------------
+def _is_sparse_loss(loss) -> bool:
+    """True for sparse categorical losses (integer class ids as labels)."""
+    if loss is None:
+        return False
+    if isinstance(loss, str):
+        return "sparse_categorical" in loss.lower()
+    names = [
+        getattr(loss, "__name__", ""),
+        getattr(loss, "name", ""),
+        getattr(getattr(loss, "fn", None), "__name__", ""),
+        re.sub(r"(?<!^)(?=[A-Z])", "_", type(loss).__name__),
+    ]
+    return any("sparse_categorical" in str(n).lower() for n in names)
+
+
+def _spec_for(tensor, batch_size: int, name: str):
+    import tensorflow as tf
+
+    shape = list(getattr(tensor, "shape", ()))
+    dtype = getattr(tensor, "dtype", None)
+    if not shape or dtype is None:
+        raise ValueError(
+            f"Cannot build a spec for {name}: {tensor!r} has no shape/dtype. Pass "
+            f"`{name}` as a tf.TensorSpec (or nested structure of them) with the batch "
+            "as the first dimension."
+        )
+    rest = shape[1:]
+    if any(d is None for d in rest):
+        raise ValueError(
+            f"{name} has an unknown non-batch dimension (shape {tuple(shape)}); XLA needs "
+            f"static shapes. Pass `{name}=tf.TensorSpec((None, ...), dtype)` with every "
+            "dimension but the batch set."
+        )
+    dtype = getattr(dtype, "name", dtype)
+    return tf.TensorSpec([batch_size, *[int(d) for d in rest]], tf.as_dtype(dtype))
+
+
+def _map_specs(structure, batch_size: int, name: str):
+    import keras
+
+    return keras.tree.map_structure(lambda t: _spec_for(t, batch_size, name), structure)
+
+
+def _label_spec(output, loss, batch_size: int):
+    import tensorflow as tf
+
+    shape = list(output.shape)
+    if any(d is None for d in shape[1:]):
+        raise ValueError(
+            f"The model output has an unknown non-batch dimension (shape {tuple(shape)}); "
+            "pass `y_spec=tf.TensorSpec(...)`."
+        )
+    if _is_sparse_loss(loss):
+        return tf.TensorSpec([batch_size, *[int(d) for d in shape[1:-1]]], tf.int32)
+    dtype = tf.as_dtype(getattr(output.dtype, "name", output.dtype))
+    if dtype.is_floating:
+        dtype = tf.float32  # labels come from the data, not the compute policy
+    return tf.TensorSpec([batch_size, *[int(d) for d in shape[1:]]], dtype)
+
+
+def _symbolic(model, which: str):
+    """The model's symbolic inputs or outputs, in the structure `call` uses."""
+    import keras
+
+    functional = model
+    if isinstance(model, keras.Sequential):
+        functional = getattr(model, "_functional", None)
+    struct = getattr(functional, f"_{which}_struct", None) if functional is not None else None
+    if struct is None:
+        struct = getattr(model, which)  # raises AttributeError/ValueError when unknown
+    if struct is None:
+        raise ValueError(f"the model has no symbolic {which}")
+    if isinstance(struct, (list, tuple)) and len(struct) == 1:
+        struct = struct[0]
+    return struct
+
+
+def infer_data_specs(model, batch_size: int, x_spec=None, y_spec=None):
+    """Returns `(x_spec, y_spec)` as `tf.TensorSpec` structures for one batch.
+
+    Inputs come from `model.input` (functional and Sequential models built with
+    `keras.Input`); labels from the loss (sparse categorical losses take int32
+    class ids of the output's shape without its last axis, other losses take
+    float32 labels shaped like the output). `x_spec` / `y_spec` override either:
+    a `tf.TensorSpec`, `keras.KerasTensor` or a nested structure of them, whose
+    first dimension is the batch (it is replaced by `batch_size`).
+
+    Raises:
+        ValueError: if a shape cannot be inferred; the message says what to pass.
+    """
+    check_positive_int(batch_size, "batch_size")
+    if x_spec is not None:
+        xs = _map_specs(x_spec, batch_size, "x_spec")
+    else:
+        try:
+            inputs = _symbolic(model, "inputs")
+        except (AttributeError, ValueError) as err:
+            raise ValueError(
+                "Cannot infer the input shape: the model has no symbolic inputs (a "
+                "subclassed model or a Sequential without keras.Input). Pass "
+                "`x_spec=tf.TensorSpec((None, ...), dtype)`."
+            ) from err
+        xs = _map_specs(inputs, batch_size, "x_spec")
+    if y_spec is not None:
+        return xs, _map_specs(y_spec, batch_size, "y_spec")
+    try:
+        outputs = _symbolic(model, "outputs")
+    except (AttributeError, ValueError) as err:
+        raise ValueError(
+            "Cannot infer the label shape: the model has no symbolic outputs. Pass "
+            "`y_spec=tf.TensorSpec((None, ...), dtype)`."
+        ) from err
+    import keras
+
+    loss = getattr(model, "loss", None)
+    flat_outputs = keras.tree.flatten(outputs)
+    if len(flat_outputs) == 1:
+        single_loss = loss
+        if isinstance(loss, (list, tuple)) and len(loss) == 1:
+            single_loss = loss[0]
+        elif isinstance(loss, dict) and len(loss) == 1:
+            single_loss = next(iter(loss.values()))
+        return xs, _label_spec(flat_outputs[0], single_loss, batch_size)
+    if isinstance(loss, dict) and isinstance(outputs, dict):
+        ys = {k: _label_spec(v, loss.get(k), batch_size) for k, v in outputs.items()}
+    elif isinstance(loss, (list, tuple)) and len(loss) == len(flat_outputs):
+        ys = [_label_spec(o, lo, batch_size) for o, lo in zip(flat_outputs, loss)]
+    elif isinstance(loss, dict):
+        names = getattr(model, "output_names", None) or []
+        if len(names) != len(flat_outputs):
+            raise ValueError(
+                "Cannot match the dict of losses to the outputs; pass `y_spec`."
+            )
+        ys = {n: _label_spec(o, loss.get(n), batch_size) for n, o in zip(names, flat_outputs)}
+    else:
+        ys = keras.tree.map_structure(lambda o: _label_spec(o, loss, batch_size), outputs)
+    return xs, ys
+
+
+def _spec_bytes(structure) -> int:
+    import keras
+
+    return sum(
+        int(math.prod(int(d) for d in s.shape)) * _dtype_size(s.dtype)
+        for s in keras.tree.flatten(structure)
+    )
+
+
