@@ -37,8 +37,9 @@ class GradientAccumulation(EngineCallback):
     The batch that `fit` delivers is the **global batch you want**. On every
     replica it is split into `steps` equal micro-batches (or micro-batches of
     `micro_batch_size` examples). Forward and backward passes run one
-    micro-batch after another inside the compiled step (a `tf.while_loop`, so
-    only one micro-batch's activations are alive), gradients are summed on the
+    micro-batch after another inside the compiled step (a `tf.while_loop` on
+    TensorFlow, a `lax.scan` on JAX, so only one micro-batch's activations are
+    alive), gradients are summed on the
     replica, and the optimizer is called **once**: one cross-replica all-reduce
     per update, `optimizer.iterations` and learning-rate schedules count
     updates, and no accumulation window ever spans two `fit` batches (or
@@ -70,13 +71,27 @@ class GradientAccumulation(EngineCallback):
     partial window is an error, never a silent partial update.
     `steps_per_execution` must divide or be a multiple of `steps`.
 
+    **On JAX** (`KERAS_BACKEND=jax`, with or without a `keras.distribution`),
+    a "replica" is a data-parallel shard: the global batch divided by the
+    size of the distribution's batch axis (per device under
+    `DataParallel`; per batch shard under `ModelParallel`, whose model axis
+    is untouched). Each device slices micro-batches out of its own share
+    (inside a `shard_map` over the batch axis), sums its own gradients, and
+    the step reduces them once after the loop: no collective inside the loop,
+    no data moved between devices. Same arguments, same errors; the batch
+    size is always static there, so a batch that does not split is refused
+    when the step is traced.
+
     **BatchNormalization** sees micro-batch statistics, as in every
     accumulation scheme; a warning says so once when the model has such layers.
 
     Works with `steps_per_execution > 1` (under MirroredStrategy/TPUStrategy
     too, where plain Keras fails: the engine owns the multi-step loop),
     `jit_compile=True`, mixed precision policies and `BackupAndRestore` (the
-    callback keeps no state of its own; a window never outlives a step).
+    callback keeps no state of its own; a window never outlives a step); on
+    JAX with `DataParallel`, `ModelParallel`, `steps_per_execution > 1`,
+    `BackupAndRestore` and several processes (`keras.distribution.initialize`).
+    `dataset_yields="micro_batches"` is TensorFlow-only for now (refused on JAX).
 
     Args:
         steps: Micro-batches per update (an int >= 1). The per-replica batch

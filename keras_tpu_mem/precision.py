@@ -272,12 +272,16 @@ def device_notice(strategy=None) -> str | None:
     """What bfloat16 means on the devices of `strategy` (None on a TPU: native).
 
     Args:
-        strategy: A `tf.distribute.Strategy`; the current one if None.
+        strategy: On TensorFlow, a `tf.distribute.Strategy`; on JAX, a
+            `keras.distribution.Distribution`. The current one if None (on JAX
+            without a distribution: the default device).
 
     Returns:
         A one-line notice for CPUs and for GPUs without bfloat16 tensor cores
         (compute capability below 8.0), or None where bfloat16 is native.
     """
+    if keras.backend.backend() == "jax":
+        return _jax_device_notice(strategy)
     import tensorflow as tf
 
     strategy = strategy or tf.distribute.get_strategy()
@@ -308,6 +312,33 @@ def device_notice(strategy=None) -> str | None:
             "float32; on a TPU it is native.")
 
 
+def _jax_device_notice(distribution) -> str | None:
+    from keras_tpu_mem.engine.jax import data_parallel_devices
+
+    devices = data_parallel_devices(distribution)
+    kinds = {device.platform for device in devices}
+    if "tpu" in kinds:
+        return None
+    if "gpu" in kinds:
+        slow = sorted({f"{device.device_kind} (compute capability {capability})"
+                       for device in devices
+                       for capability in [getattr(device, "compute_capability", None)]
+                       if capability is not None
+                       and tuple(int(p) for p in str(capability).split(".")[:2]) < (8, 0)})
+        if not slow:
+            return None
+        return ("bfloat16 on " + ", ".join(slow) + ", which has no bfloat16 tensor "
+                "cores: it runs and halves activation memory, but matrix products are "
+                "not faster than float32 there.")
+    flags = _cpu_bf16_flags()
+    what = (f"this CPU has {', '.join(flags)}" if flags else
+            "this CPU has no bfloat16 instructions" if flags is not None
+            else "bfloat16 support of this CPU unknown")
+    return (f"bfloat16 on CPU ({what}): it runs and halves activation memory; XLA on "
+            "CPU computes bfloat16 matrix products in float32, so it is not faster "
+            "there. On a TPU it is native.")
+
+
 def _log_device_notice(strategy) -> None:
     message = device_notice(strategy)
     if message and message not in _NOTICES:
@@ -325,12 +356,10 @@ def _is_float(tensor, dtype=None) -> bool:
 
 def _join(exact, low):
     """`exact` as the value, the gradient of `low` as the gradient."""
-    import tensorflow as tf
-
     if not _is_float(exact) or low is None:
         return exact
-    low = tf.cast(low, exact.dtype)
-    return tf.stop_gradient(exact) + (low - tf.stop_gradient(low))
+    low = keras.ops.cast(low, exact.dtype)
+    return keras.ops.stop_gradient(exact) + (low - keras.ops.stop_gradient(low))
 
 
 class _Float32Forward:
@@ -445,7 +474,9 @@ class MixedBFloat16(EngineCallback):
 
     Works with every strategy, `jit_compile=True`, `steps_per_execution > 1`,
     `BackupAndRestore` (it keeps no training state: the policy is its
-    configuration) and the other keras_tpu_mem callbacks, in any order.
+    configuration) and the other keras_tpu_mem callbacks, in any order; on the
+    JAX backend the same, under any `keras.distribution` (`DataParallel`,
+    `ModelParallel`), with the same arguments.
 
     With `keep_after_fit=True` the model keeps the bfloat16 policies after
     `fit` (hidden layers compute in bfloat16, output layers in float32, every
@@ -481,6 +512,7 @@ class MixedBFloat16(EngineCallback):
 
     name = "compute_policy"
     order = 10
+    backends = ("tensorflow", "jax")
 
     def __init__(self, keep_float32=None, *, exact_output_gradients: bool = False,
                  keep_after_fit: bool = False):
@@ -554,7 +586,9 @@ class MixedBFloat16(EngineCallback):
         self.plan = plan
         _reset_traces(model)
         logger.info("MixedBFloat16: %s.", _describe(plan, [w.layer for w in self._wrappers]))
-        _log_device_notice(model.distribute_strategy)
+        # TensorFlow: the model's strategy; JAX: the active keras.distribution.
+        _log_device_notice(model.distribute_strategy if keras.backend.backend() == "tensorflow"
+                           else None)
 
     def uninstall(self, model):
         if not self.keep_after_fit:

@@ -58,9 +58,10 @@ def toy_data(n=160, inputs=16, classes=8, seed=0):
     return x, y
 
 
-def make_distribution(case: str):
+def make_distribution(case: str, output_layouts=None):
     """None, DataParallel over 8 devices, or ModelParallel on a (2, 4) mesh with the
-    Dense kernels sharded on the model axis."""
+    Dense kernels sharded on the model axis (and `output_layouts`, more LayoutMap
+    entries, e.g. `{".*dense_in/output": ("batch", "model")}`)."""
     if case == "none":
         return None
     if case == "dp8":
@@ -69,6 +70,8 @@ def make_distribution(case: str):
         mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], jax.devices()[:8])
         layout = keras.distribution.LayoutMap(mesh)
         layout[".*dense.*kernel"] = (None, "model")
+        for key, axes in (output_layouts or {}).items():
+            layout[key] = axes
         return keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch")
     raise ValueError(f"unknown case {case!r}")
 

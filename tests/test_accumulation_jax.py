@@ -185,3 +185,19 @@ def test_micro_batches_from_the_dataset_are_refused_on_jax_for_now():
     with pytest.raises(NotImplementedError, match="dataset_yields='global_batches'"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0,
                   callbacks=[GradientAccumulation(4, dataset_yields="micro_batches")])
+
+
+def test_model_parallel_with_a_layer_output_layout():
+    # A LayoutMap entry for a layer's output (Keras constrains the output to
+    # it) naming the batch axis, which is manual inside the shard_map.
+    x, y = toy_data()
+    weights = []
+    for callbacks in ([], [GradientAccumulation(STEPS)]):
+        distribution = make_distribution("mp2x4", {".*dense_in/output": ("batch", "model")})
+        with distribution.scope():
+            model = mlp()
+            model.compile(optimizer="adam", loss=sparse_ce())
+            model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0,
+                      callbacks=callbacks)
+            weights.append(model.get_weights())
+    assert max_abs_diff(*weights) <= 1e-5

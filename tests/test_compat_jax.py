@@ -94,3 +94,16 @@ def test_distribute_data():
     assert placed_x.sharding.spec == PartitionSpec("batch", None)
     assert len(placed_x.sharding.device_set) == 8
     np.testing.assert_array_equal(np.asarray(placed_y), y)
+
+
+def test_tensor_layouts_for_manual_axes():
+    distribution = make_distribution("mp2x4", {".*dense_in/output": ("batch", "model")})
+    before = distribution.get_tensor_layout("sequential/dense_in/output")
+    assert tuple(before.axes) == ("batch", "model")
+    with jax_compat.tensor_layouts_for_manual_axes(distribution, {"batch"}):
+        inside = distribution.get_tensor_layout("sequential/dense_in/output")
+        assert inside == PartitionSpec(None, "model")
+        assert distribution.get_tensor_layout("sequential/other/output") is None
+    assert "get_tensor_layout" not in distribution.__dict__
+    assert tuple(distribution.get_tensor_layout("sequential/dense_in/output").axes) == (
+        "batch", "model")

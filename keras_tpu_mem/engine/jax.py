@@ -332,6 +332,24 @@ class JaxStep:
                       list(metrics_vars), batch)
 
     # -------------------------------------------------------- the train function
+    def make_step(self, jit: bool = True) -> Callable:
+        """The step `(state, data) -> (logs, state)` for the engine's current features.
+
+        Jitted as `fit` jits it (`donate_argnums=0`; under a `keras.distribution`
+        the variables' current shardings as `out_shardings`, so call it before
+        `fit` purges them), unless `jit=False`. For compiling the step without
+        a `fit` (memory analysis, planning): `make_step().lower(state,
+        batch).compile()`. The step keeps a snapshot of the features, so a later
+        trace builds the same step.
+        """
+        step = functools.partial(self._step, tuple(self.features))
+        if not jit:
+            return step
+        out_shardings = None
+        if keras.distribution.distribution() is not None:
+            out_shardings = (None, jax_compat.state_sharding_spec(self.model))
+        return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+
     def build_train_function(self) -> Callable:
         model = self.model
         if jax_compat.is_nnx_enabled():
@@ -343,14 +361,9 @@ class JaxStep:
                 raise NotImplementedError(
                     f"{type(feature).__name__} needs an after-update hook, which the "
                     "JAX engine does not have yet; use the TensorFlow backend for it.")
-        step = functools.partial(self._step, tuple(self.features))
-        self.jitted_step = None
-        if not model.run_eagerly and model.jit_compile:
-            out_shardings = None
-            if keras.distribution.distribution() is not None:
-                out_shardings = (None, jax_compat.state_sharding_spec(model))
-            step = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
-            self.jitted_step = step
+        jit = not model.run_eagerly and bool(model.jit_compile)
+        step = self.make_step(jit=jit)
+        self.jitted_step = step if jit else None
         engine = self.engine
         per_call = int(model.steps_per_execution)
 
