@@ -41,6 +41,8 @@ _EXPORTS = {
     "MemoryPlan": "planning",
     "compiled_memory": "planning",
     "plan": "planning",
+    "Recommendation": "planning",
+    "Rematerialize": "remat",
     "MixedBFloat16": "precision",
     "PrecisionReport": "precision",
     "PrecisionRow": "precision",
