@@ -199,10 +199,6 @@ class JaxTPUStrategyWrapper(TPUStrategyWrapper):
         """The `keras.distribution.Distribution` that was built."""
         return self._strategy
 
-    def scope(self):
-        """The distribution's scope: build and compile the model inside it."""
-        return self._strategy.scope()
-
     @property
     def num_replicas(self) -> int:
         """Data-parallel shards of the batch (devices on the mesh's batch axis)."""

@@ -102,13 +102,18 @@ class TensorFlowStep:
         tracker.update_state(unscale_for_replicas(loss), sample_weight=batch)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _replica_step(self, data):
-        model = self.model
+    def _unpack(self, data):
+        """`(x, y, sample_weight, extras)`: features' extras taken out, then Keras' unpacking."""
         extras = {}
         for feature in self.features:
             data, more = feature.split_extras(data)
             extras.update(more)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        return x, y, sample_weight, extras
+
+    def _replica_step(self, data):
+        model = self.model
+        x, y, sample_weight, extras = self._unpack(data)
         per_replica_batch = _batch_size((x, y, sample_weight, extras))
         num_micro = self.engine.micro_batch_count(per_replica_batch)
         if isinstance(num_micro, int) and num_micro == 1:
@@ -196,11 +201,7 @@ class TensorFlowStep:
         applies the sum once (one all-reduce) and zeroes the accumulators.
         """
         model = self.model
-        extras = {}
-        for feature in self.features:
-            data, more = feature.split_extras(data)
-            extras.update(more)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight, extras = self._unpack(data)
         with tf.GradientTape() as tape:
             y_pred, loss = self._forward(x, y, sample_weight, extras, k)
             scaled = model.optimizer.scale_loss(loss * tf.cast(1.0 / k, loss.dtype))
