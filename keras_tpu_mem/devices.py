@@ -24,6 +24,19 @@ Two things live here:
   `MemoryReading` that carries it. They return `None` where nothing can tell
   (a TPU or GPU plugin without statistics), so callers say "unknown" instead
   of guessing.
+
+* On the JAX backend the same functions take a `jax.Device` instead of a
+  TensorFlow device name. `"allocator"` is then the device's
+  `jax.Device.memory_stats()` (`bytes_in_use`, `peak_bytes_in_use`, and
+  `bytes_limit` as the capacity): what TPU and GPU runtimes keep. Its peak is
+  a high-water mark since the process started that nothing can reset
+  (`reset_peak` returns False), so callers that keep phases apart compare it
+  with the mark at the phase's start (see `HBMMonitor`). JAX's CPU devices keep
+  no statistics (`memory_stats()` is `None`): for them `"host_rss"` is the
+  source, as for TensorFlow's CPU allocator with oneDNN off.
+  `monitored_jax_devices` lists the devices of the active `keras.distribution`
+  that this process holds; `jax_device_name`, `jax_memory_stats` and
+  `jax_capacity` are the other JAX readers. None of them imports TensorFlow.
 """
 
 from __future__ import annotations
@@ -165,7 +178,8 @@ def gpu_memory_bytes(device_name: str | None) -> int | None:
     return GPU_MEMORY_BYTES.get(device_name.strip().lower())
 
 
-#: The device's allocator statistics (`tf.config.experimental.get_memory_info`).
+#: The device's allocator statistics: `tf.config.experimental.get_memory_info` on
+#: TensorFlow, `jax.Device.memory_stats()` on JAX.
 SOURCE_ALLOCATOR = "allocator"
 #: The resident memory of the whole process (psutil; peak from Linux's VmHWM).
 SOURCE_HOST_RSS = "host_rss"
@@ -196,7 +210,8 @@ class MemoryReading:
     """One device's memory, and where the figures come from.
 
     Attributes:
-        device: TensorFlow device string, e.g. `"TPU:0"` or `"CPU:0"`.
+        device: Device name, e.g. `"TPU:0"` or `"CPU:0"` (for a `jax.Device`:
+            its platform and id, `jax_device_name`).
         current_bytes: Bytes in use now, or `None` if unreadable.
         peak_bytes: Peak bytes since the last reset (or the process start),
             or `None` if unreadable.
@@ -240,8 +255,11 @@ def replica_device_names(strategy) -> list[str]:
     return names
 
 
-def is_host_device(device: str) -> bool:
-    """True for a CPU device name (`"CPU:0"`, `"/job:localhost/.../device:CPU:1"`)."""
+def is_host_device(device) -> bool:
+    """True for a CPU device: a name (`"CPU:0"`, `"/job:localhost/.../device:CPU:1"`)
+    or a `jax.Device` whose platform is `"cpu"`."""
+    if is_jax_device(device):
+        return device.platform == "cpu"
     return device.split("device:")[-1].upper().startswith("CPU")
 
 
@@ -255,11 +273,21 @@ def read_memory(device: str, *, source: str = SOURCE_ALLOCATOR) -> tuple[int, in
     the whole process's resident memory (`read_host_memory`) whatever
     `device` is; use it only for the host (see `memory_source`).
 
+    `device` may be a `jax.Device`: then `"allocator"` reads its
+    `memory_stats()` (`bytes_in_use`, `peak_bytes_in_use`), `None` where the
+    device keeps none (JAX's CPU devices).
+
     Raises:
         ValueError: if `source` is not `"allocator"` or `"host_rss"`.
     """
     if _check_source(source) == SOURCE_HOST_RSS:
         return read_host_memory()
+    if is_jax_device(device):
+        stats = jax_memory_stats(device)
+        if stats is None or stats.get("bytes_in_use") is None:
+            return None
+        current = int(stats["bytes_in_use"])
+        return current, int(stats.get("peak_bytes_in_use", current))
     import tensorflow as tf
 
     try:
@@ -276,11 +304,17 @@ def reset_peak(device: str, *, source: str = SOURCE_ALLOCATOR) -> bool:
     result says whether the OS high-water mark could be reset too (see
     `reset_host_peak`).
 
+    A `jax.Device`'s allocator peak cannot be reset: JAX exposes no such call
+    (its `peak_bytes_in_use` counts from the process start), so this returns
+    False for one.
+
     Raises:
         ValueError: if `source` is not `"allocator"` or `"host_rss"`.
     """
     if _check_source(source) == SOURCE_HOST_RSS:
         return reset_host_peak()
+    if is_jax_device(device):
+        return False
     import tensorflow as tf
 
     try:
@@ -310,9 +344,11 @@ def read_memory_reading(device: str, *, capacity_bytes: int | None = None,
     """Reads `device` into a `MemoryReading` that names its source.
 
     Args:
-        device: A TensorFlow device name, e.g. `"CPU:0"`, `"TPU:3"`.
+        device: A TensorFlow device name, e.g. `"CPU:0"`, `"TPU:3"`, or a
+            `jax.Device`.
         capacity_bytes: The device's capacity where known (copied into the
-            reading; `None` for the host RSS, which has no HBM capacity).
+            reading; `None` for the host RSS, which has no HBM capacity). For
+            a `jax.Device` read from its allocator, `None` takes `jax_capacity`.
         shared: Whether several replicas share this device's allocator.
         source: `None` picks one (`memory_source`); else `"allocator"` or
             `"host_rss"`.
@@ -328,11 +364,93 @@ def read_memory_reading(device: str, *, capacity_bytes: int | None = None,
     """
     source = memory_source(device) if source is None else _check_source(source)
     value = read_memory(device, source=source) if source is not None else None
+    if is_jax_device(device):
+        if source == SOURCE_ALLOCATOR and capacity_bytes is None:
+            capacity_bytes = jax_capacity(device)[0]
+        device = jax_device_name(device)
     if value is None:
         return MemoryReading(device, None, None, capacity_bytes, shared, None, False)
     host = source == SOURCE_HOST_RSS
     return MemoryReading(device, value[0], value[1], None if host else capacity_bytes,
                          shared, source, host)
+
+
+# ------------------------------------------------------------------ JAX devices
+#: `jax.Device.platform` -> the kind in a device's name ("TPU:0", "GPU:1", "CPU:0").
+_JAX_PLATFORM_KIND = {"tpu": "TPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "cpu": "CPU"}
+
+
+def is_jax_device(device) -> bool:
+    """True for a `jax.Device` (anything with `platform`, `id` and `memory_stats`)."""
+    return (not isinstance(device, str) and hasattr(device, "memory_stats")
+            and hasattr(device, "platform") and hasattr(device, "id"))
+
+
+def jax_device_name(device) -> str:
+    """`"TPU:3"`, `"GPU:0"`, `"CPU:5"`: a `jax.Device`'s platform and (global) id."""
+    platform = str(device.platform)
+    return f"{_JAX_PLATFORM_KIND.get(platform, platform.upper())}:{device.id}"
+
+
+def jax_memory_stats(device) -> dict | None:
+    """A `jax.Device`'s `memory_stats()`, or `None` where it keeps none.
+
+    TPU and GPU runtimes report `bytes_in_use`, `peak_bytes_in_use` (since the
+    process started) and `bytes_limit`; JAX's CPU devices return `None`.
+    Some runtimes raise instead; that is `None` too.
+    """
+    try:
+        stats = device.memory_stats()
+    except Exception:  # a runtime without statistics may raise instead
+        return None
+    return dict(stats) if stats else None
+
+
+def monitored_jax_devices(distribution=None) -> list:
+    """The `jax.Device`s a JAX training step runs on, in this process.
+
+    The devices of `distribution` (default: the active `keras.distribution`)
+    that this process addresses, sorted by id; without a distribution, the
+    first local device, where Keras' JAX trainer places everything.
+    """
+    import jax
+
+    if distribution is None:
+        import keras
+
+        distribution = keras.distribution.distribution()
+    if distribution is None:
+        return list(jax.local_devices()[:1])
+    mesh = distribution.device_mesh.devices
+    flat = list(mesh.flat) if hasattr(mesh, "flat") else list(mesh)
+    local = jax.process_index()
+    return sorted((d for d in flat if getattr(d, "process_index", local) == local),
+                  key=lambda d: d.id)
+
+
+def jax_capacity(device) -> tuple[int | None, str]:
+    """`(bytes, where the figure comes from)` for one `jax.Device`.
+
+    The runtime's `bytes_limit` where `memory_stats()` has one (TPU, GPU);
+    else a TPU's per-replica HBM from `HBM_TABLE` by its `device_kind` (JAX
+    makes one device per TPU v2/v3 core and per v4+ chip, as `TPUStrategy`
+    makes replicas), a GPU's size from its name; `None` on CPU.
+    """
+    stats = jax_memory_stats(device)
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), "bytes_limit of jax.Device.memory_stats()"
+    kind = getattr(device, "device_kind", None) or ""
+    platform = _JAX_PLATFORM_KIND.get(str(device.platform), str(device.platform).upper())
+    if platform == "TPU":
+        try:
+            spec = lookup_tpu(kind)
+        except (ValueError, TypeError):
+            return None, f"TPU generation unknown ({kind!r})"
+        return spec.hbm_bytes_per_replica, f"{spec.device_kind} per replica (ktm.HBM_TABLE)"
+    if platform == "GPU":
+        capacity = gpu_memory_bytes(kind)
+        return capacity, (f"{kind} (from its name)" if capacity else f"{kind or 'GPU'}: unknown")
+    return None, "unknown on CPU (pass capacity_bytes=)"
 
 
 # ------------------------------------------------------------------ host RSS

@@ -422,6 +422,7 @@ class Distillation(EngineCallback):
 
     name = "distillation"
     order = 50
+    backends = ("tensorflow", "jax")
 
     def __init__(self, teacher=None, *, temperature: float | Callable = 2.0,
                  alpha: float | Callable = 0.5, top_k: int | None = None):
@@ -529,7 +530,9 @@ class Distillation(EngineCallback):
 
     # ----------------------------------------------------------- engine
     def install(self, model):
-        strategy = model.distribute_strategy
+        # On JAX there is no tf.distribute: variables are laid out by the active
+        # keras.distribution (build the teacher in the same `distribution.scope()`).
+        strategy = model.distribute_strategy if _on_tensorflow() else None
         teacher = self.teacher
         if teacher is not None:
             if teacher is model:
@@ -561,9 +564,14 @@ class Distillation(EngineCallback):
                 f"The student's last layer applies {which}: Distillation needs logits. "
                 "Remove the final activation and compile the loss with from_logits=True."
             )
-        self._step_teacher = None if teacher is None else self._teacher_for(model)
+        if teacher is None or not _on_tensorflow():
+            self._step_teacher = teacher
+        else:
+            self._step_teacher = self._teacher_for(model)
         if self._variables is None or self._variables_strategy is not strategy:
-            with strategy.scope():
+            import contextlib
+
+            with strategy.scope() if strategy is not None else contextlib.nullcontext():
                 self._variables = (
                     keras.Variable(1.0, dtype="float32", trainable=False,
                                    name="distillation_temperature"),
@@ -574,6 +582,15 @@ class Distillation(EngineCallback):
         # Constants are final now; schedules are set at every epoch start (a
         # resumed fit starts at the restored epoch).
         self._assign(int(getattr(model, "_initial_epoch", None) or 0))
+
+    def step_variables(self):
+        # Temperature and alpha: set between steps (schedules), read by the step.
+        return list(self._variables or ())
+
+    def frozen_variables(self):
+        # The teacher's weights enter the JAX step as inputs, not as constants
+        # embedded in the program (and are never differentiated nor returned).
+        return list(self._step_teacher.weights) if self._step_teacher is not None else []
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._variables is not None:
@@ -1284,9 +1301,11 @@ def prepare_student(student, dataset) -> None:
     and metrics) from the first batch of the data, *before* any callback runs,
     and would take the cached logits for part of the data. This does that build
     from the first batch of `dataset` without them; afterwards `fit` does not
-    rebuild. A student created outside any strategy scope, or one that has
-    already been trained or evaluated, needs no preparation (calling this is
-    harmless).
+    rebuild. On the JAX backend Keras' `fit` always builds from the first batch
+    before the callbacks run, so every student needs this before its first fit
+    on cached logits. On TensorFlow a student created outside any strategy
+    scope, or one that has already been trained or evaluated, needs no
+    preparation (calling this is harmless).
 
     Args:
         student: The compiled student model.

@@ -8,13 +8,20 @@
   After a local capture it logs a short summary read with xprof's converters,
   without a server: the step time from the overview page and, for XLA-compiled
   steps, the memory viewer's peak heap. xprof is optional (the `[profile]`
-  extra): the capture needs only TensorFlow, and where no converter is found
-  one notice names the extra that adds the summary.
+  extra): the capture needs only the framework, and where no converter is
+  found one notice names the extra that adds the summary. On the JAX backend
+  the same files come from `jax.profiler.start_trace` / `stop_trace`, each
+  traced execution marked with `jax.profiler.StepTraceAnnotation`, and
+  `mode="server"` starts `jax.profiler.start_server(port)`; nothing of it
+  imports TensorFlow.
 * `batch_size_sweep(build_fn, dataset_fn, batch_sizes)` trains a few steps at
   each batch size and returns samples per second and the peak memory (the
   allocator's, or the process's resident memory where a CPU allocator keeps
   no statistics, each row naming its source), stopping at the first
   out-of-memory error; it can draw both against the batch size in a PNG.
+  On JAX it takes arrays, a `keras.utils.PyDataset` or (where TensorFlow is
+  installed) a `tf.data.Dataset`, and reads each device's `memory_stats()`
+  (TPU, GPU) or the host RSS (JAX's CPU devices keep no statistics).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -36,13 +44,101 @@ from collections.abc import Callable, Sequence
 import keras
 
 from keras_tpu_mem import devices
+from keras_tpu_mem._compat import jax_profiler as jax_profiler_compat
 from keras_tpu_mem._compat import profiler as profiler_compat
-from keras_tpu_mem._utils import logger, require_tensorflow_backend
+from keras_tpu_mem._utils import logger
 
 _MODES = ("local", "server")
-# Profiler servers started in this process, by port: TensorFlow offers no way
-# to stop one, and a second start on the same port would fail.
+_BACKENDS = ("tensorflow", "jax")
+# Profiler servers started in this process, by port: neither TensorFlow nor JAX
+# can run two, and a second start on the same port would fail.
 _SERVERS: dict[int, bool] = {}
+
+
+# --------------------------------------------------------------------------
+# The backend's profiler: start/stop a capture, mark a step, start a server
+# --------------------------------------------------------------------------
+class _ProfilerBusy(Exception):
+    """Another capture is running (Keras' TensorBoard profiler, another window)."""
+
+
+class _ProfilerNotRunning(Exception):
+    """Someone else stopped the capture this window started."""
+
+
+class _TensorFlowProfiler:
+    name = "TensorFlow"
+
+    def start(self, log_dir: str) -> None:
+        import tensorflow as tf
+
+        try:
+            tf.profiler.experimental.start(log_dir)
+        except tf.errors.AlreadyExistsError as err:
+            raise _ProfilerBusy(str(err)) from err
+
+    def stop(self) -> None:
+        import tensorflow as tf
+
+        try:
+            tf.profiler.experimental.stop()
+        except tf.errors.UnavailableError as err:
+            raise _ProfilerNotRunning(str(err)) from err
+
+    def step(self, name: str, step_num: int):
+        return profiler_compat.step_trace(name, step_num)
+
+    def start_server(self, port: int) -> None:
+        import tensorflow as tf
+
+        tf.profiler.experimental.server.start(port)
+
+    def capture_hint(self, port: int, log_dir: str) -> str:
+        return (f"tf.profiler.experimental.client.trace('grpc://localhost:{port}', "
+                f"{log_dir!r}, 2000)")
+
+
+class _JaxProfiler:
+    """`jax.profiler`'s public API (checked: jax 0.10.2), writing the same XProf files."""
+
+    name = "JAX"
+
+    def start(self, log_dir: str) -> None:
+        import jax
+
+        try:
+            jax.profiler.start_trace(log_dir)
+        except RuntimeError as err:  # "Profile has already been started"
+            raise _ProfilerBusy(str(err)) from err
+
+    def stop(self) -> None:
+        import jax
+
+        try:
+            jax.profiler.stop_trace()
+        except RuntimeError as err:  # "No profile started"
+            raise _ProfilerNotRunning(str(err)) from err
+
+    def step(self, name: str, step_num: int):
+        import jax
+
+        # XProf's overview page measures step time from these (checked on
+        # jax 0.10.2 with xprof 2.22.1), as from TensorFlow's `_r=1` traces.
+        return jax.profiler.StepTraceAnnotation(name, step_num=step_num)
+
+    def start_server(self, port: int) -> None:
+        import jax
+
+        # JAX keeps its one server in a module global until the process ends.
+        jax.profiler.start_server(port)
+
+    def capture_hint(self, port: int, log_dir: str) -> str:
+        return (f"python -m jax.collect_profile {port} 2000 --log_dir={log_dir} "
+                "--no_perfetto_link (it needs xprof)")
+
+
+def _profiler_for(backend: str):
+    return _JaxProfiler() if backend == "jax" else _TensorFlowProfiler()
 
 
 # --------------------------------------------------------------------------
@@ -168,7 +264,9 @@ def executed_xla_modules(xplane_path: str) -> set[str] | None:
     events carry an `hlo_module` stat (XLA:CPU thunks, TPU/GPU ops) and device
     planes have an "XLA Modules" line; those name the modules that ran.
     """
-    xspace_cls = profiler_compat.xspace_class()
+    # TensorFlow's own XSpace class where TensorFlow is installed, else the same
+    # schema built from protobuf (a JAX-only environment).
+    xspace_cls = profiler_compat.xspace_class() or jax_profiler_compat.xspace_class()
     if xspace_cls is None:
         return None
     space = xspace_cls()
@@ -219,7 +317,8 @@ def summarize_profile(xplane_path: str, *, first_step: int = 0, last_step: int =
 
     Converts a temporary copy, so the converters' cache files (`*.hlo_proto.pb`,
     `*.op_stats*.pb`) never land in the run directory: it keeps only what
-    TensorFlow's profiler wrote, as TensorBoard would have found it.
+    the framework's profiler wrote, as TensorBoard would have found it.
+    Works on captures of either backend.
     """
     run_dir = os.path.dirname(xplane_path)
     base = dict(run_dir=run_dir, xplane_path=xplane_path, first_step=first_step,
@@ -314,16 +413,27 @@ class ProfileWindow(keras.callbacks.Callback):
     steps, read with xprof's converters from a temporary copy, so the run
     directory holds only what TensorBoard itself would write). Several windows
     in one run each give their own run directory. The capture needs only
-    TensorFlow; the summary needs xprof's converters
+    the framework; the summary needs xprof's converters
     (`pip install "keras-tpu-mem[profile]"`): without them one notice names
     the extra and the summary's `note` says so.
 
-    `mode="server"`: starts TensorFlow's profiler server on `port` (a free one
-    if None) when training begins, and logs when the window's steps run, so a
-    profile can be captured from TensorBoard's Profile tab ("Capture Profile",
-    address `localhost:PORT`, or the TPU VM's host name) or with
-    `tf.profiler.experimental.client.trace`. That is the documented way to
-    profile a Cloud TPU. The server lives until the process ends.
+    `mode="server"`: starts the framework's profiler server on `port` (a free
+    one if None) when training begins, and logs when the window's steps run,
+    so a profile can be captured from TensorBoard's Profile tab ("Capture
+    Profile", address `localhost:PORT`, or the TPU VM's host name) or with
+    `tf.profiler.experimental.client.trace` (`python -m jax.collect_profile`
+    on JAX). That is the documented way to profile a Cloud TPU. The server
+    lives until the process ends.
+
+    **On the JAX backend** the capture is `jax.profiler.start_trace(log_dir)`
+    / `stop_trace()`, which writes the same `plugins/profile/<run>/*.xplane.pb`
+    (and a `*.trace.json.gz` beside it, JAX's own), each traced execution is a
+    `jax.profiler.StepTraceAnnotation`, and the server is
+    `jax.profiler.start_server(port)`. Keras' own `TensorBoard(profile_batch=)`
+    profiles JAX only on Python >= 3.12; this callback needs no such Python.
+    Steps are counted from Keras' batch indices (clamped to the epoch's
+    length), because reading the optimizer's step counter mid-epoch would make
+    Keras copy the whole training state back into the model every step.
 
     Another profiler already running (Keras' `TensorBoard(profile_batch=...)`,
     a second overlapping `ProfileWindow`) is reported in the log, not raised:
@@ -349,7 +459,14 @@ class ProfileWindow(keras.callbacks.Callback):
     def __init__(self, log_dir, steps=(10, 15), *, mode: str = "local",
                  port: int | None = None, summary: bool = True):
         super().__init__()
-        require_tensorflow_backend("ProfileWindow")
+        backend = keras.backend.backend()
+        if backend not in _BACKENDS:
+            raise RuntimeError(
+                f"ProfileWindow needs the Keras TensorFlow or JAX backend, but Keras is running "
+                f"on {backend!r}. Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before "
+                "importing keras.")
+        self._backend = backend
+        self._profiler = _profiler_for(backend)
         if not isinstance(log_dir, (str, os.PathLike)) or not str(log_dir):
             raise TypeError(f"`log_dir` must be a non-empty path, got {log_dir!r}.")
         if (not isinstance(steps, (tuple, list)) or len(steps) != 2
@@ -392,6 +509,8 @@ class ProfileWindow(keras.callbacks.Callback):
         self._wall_steps = 0
         self._runs_before: set[str] = set()
         self._announced = False
+        self._spe_value = 1
+        self._epoch_steps = None
 
     # ------------------------------------------------------------ counting
     def _iterations(self) -> int | None:
@@ -410,6 +529,10 @@ class ProfileWindow(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._reset_state()
         self._base = self._iterations() or 0
+        # Read once: on JAX every `self.model` look-up in a batch hook makes
+        # Keras copy the training state back into the model's variables.
+        self._spe_value = self._spe()
+        self._epoch_steps = (self.params or {}).get("steps") or None
         if self.mode == "server":
             self._start_server()
 
@@ -420,7 +543,7 @@ class ProfileWindow(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         first = self._epoch_offset + int(batch)
-        last = first + self._spe() - 1
+        last = first + self._spe_value - 1
         in_window = first < self.stop and last >= self.start
         if self.mode == "server":
             if in_window and not self._announced:
@@ -432,7 +555,7 @@ class ProfileWindow(keras.callbacks.Callback):
         if self._tracing or self.mode == "server":
             # A step marker per execution, as Keras' TensorBoard callback
             # sets: XProf's overview page measures step time from them.
-            self._step_trace = profiler_compat.step_trace("train", first)
+            self._step_trace = self._profiler.step("train", first)
             self._step_trace.__enter__()
         self._t_begin = (first, time.perf_counter()) if self._tracing else None
 
@@ -441,10 +564,14 @@ class ProfileWindow(keras.callbacks.Callback):
         # epoch's last execution ran fewer steps; inside the window the
         # optimizer's counter (read after the step finished) is exact.
         last = self._epoch_offset + int(batch)
-        if self._tracing:
+        if self._tracing and self._backend == "tensorflow":
             now = self._iterations()
             if now is not None:
                 last = now - self._base - 1
+        elif self._epoch_steps:
+            # JAX: Keras' index of the execution's last step, clamped to the
+            # epoch (the last execution may run fewer steps than it says).
+            last = min(last, self._epoch_offset + self._epoch_steps - 1)
         self._counted = max(self._counted, last + 1)
         if self._step_trace is not None:
             self._step_trace.__exit__(None, None, None)
@@ -469,13 +596,11 @@ class ProfileWindow(keras.callbacks.Callback):
 
     # ---------------------------------------------------------- local mode
     def _start_local(self, first_step: int):
-        import tensorflow as tf
-
         os.makedirs(self.log_dir, exist_ok=True)
         self._runs_before = _run_dirs(self.log_dir)
         try:
-            tf.profiler.experimental.start(self.log_dir)
-        except tf.errors.AlreadyExistsError:
+            self._profiler.start(self.log_dir)
+        except _ProfilerBusy:
             self._done = True
             logger.warning(
                 "ProfileWindow(steps=(%d, %d)): another profiler is already running (Keras' "
@@ -487,8 +612,6 @@ class ProfileWindow(keras.callbacks.Callback):
         self._first_traced = first_step
 
     def _stop_local(self):
-        import tensorflow as tf
-
         self._tracing = False
         self._done = True
         # The profiler names a run after the current second: two windows
@@ -497,8 +620,8 @@ class ProfileWindow(keras.callbacks.Callback):
         while time.strftime("%Y_%m_%d_%H_%M_%S") in taken:
             time.sleep(0.05)
         try:
-            tf.profiler.experimental.stop()
-        except tf.errors.UnavailableError:
+            self._profiler.stop()
+        except _ProfilerNotRunning:
             logger.warning("ProfileWindow(steps=(%d, %d)): the profiler was stopped by someone "
                            "else (another profiling callback?); nothing saved by this window.",
                            self.start, self.stop)
@@ -512,11 +635,11 @@ class ProfileWindow(keras.callbacks.Callback):
         self.captured_runs.extend(new_runs)
         summary = ProfileSummary(run_dir=os.path.dirname(xplanes[0]), xplane_path=xplanes[0],
                                  first_step=self._first_traced, last_step=self._last_traced,
-                                 steps_per_execution=self._spe())
+                                 steps_per_execution=self._spe_value)
         if self.summary:
             summary = summarize_profile(xplanes[0], first_step=self._first_traced,
                                         last_step=self._last_traced,
-                                        steps_per_execution=self._spe())
+                                        steps_per_execution=self._spe_value)
         if self._wall_steps:
             summary = dataclasses.replace(
                 summary, wall_ms_per_step=1000.0 * self._wall_s / self._wall_steps)
@@ -526,8 +649,6 @@ class ProfileWindow(keras.callbacks.Callback):
 
     # --------------------------------------------------------- server mode
     def _start_server(self):
-        import tensorflow as tf
-
         if self.port is None:
             self.port = _free_port()
         if self.port in _SERVERS:
@@ -535,18 +656,18 @@ class ProfileWindow(keras.callbacks.Callback):
                         self.port)
             return
         try:
-            tf.profiler.experimental.server.start(self.port)
-        except Exception as err:  # e.g. the port is taken by another process
+            self._profiler.start_server(self.port)
+        except Exception as err:  # e.g. the port is taken, or JAX runs one already
             logger.warning("ProfileWindow: could not start the profiler server on port %d "
                            "(%s: %s).", self.port, type(err).__name__, err)
             return
         _SERVERS[self.port] = True
         logger.info(
-            "ProfileWindow: profiler server listening on port %d. In TensorBoard "
+            "ProfileWindow: %s profiler server listening on port %d. In TensorBoard "
             "(tensorboard --logdir %s) open Profile -> Capture Profile and enter "
-            "localhost:%d (on a TPU VM, its host name), or run "
-            "tf.profiler.experimental.client.trace('grpc://localhost:%d', %r, 2000).",
-            self.port, self.log_dir, self.port, self.port, self.log_dir)
+            "localhost:%d (on a TPU VM, its host name), or run %s.",
+            self._profiler.name, self.port, self.log_dir, self.port,
+            self._profiler.capture_hint(self.port, self.log_dir))
 
 
 # --------------------------------------------------------------------------
@@ -562,12 +683,14 @@ class SweepRow:
             (which includes compilation), or None if it did not finish.
         peak_bytes: The peak bytes during the run (largest over the replica
             devices), None where unreadable.
-        status: `"ok"`, or `"oom"` for a `ResourceExhaustedError`.
+        status: `"ok"`, or `"oom"` for an out-of-memory error
+            (TensorFlow's `ResourceExhaustedError`, JAX's RESOURCE_EXHAUSTED).
         error: The error's first line for `"oom"`.
         memory_source: Where `peak_bytes` comes from: `"allocator"` (the
             devices' allocators) or `"host_rss"` (the resident memory of the
             whole process, where the CPU allocator keeps no statistics: it
             includes everything the process holds); None where unreadable.
+        peak_exact: False where `peak_bytes` is an upper bound (see the field).
     """
 
     batch_size: int
@@ -576,6 +699,10 @@ class SweepRow:
     status: str = "ok"
     error: str | None = None
     memory_source: str | None = None
+    #: False where `peak_bytes` is only an upper bound: a peak counter that cannot
+    #: be reset (JAX's TPU/GPU allocators) did not rise in this row's run, so its
+    #: peak stayed at or below a mark an earlier row (or the process) set.
+    peak_exact: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -610,8 +737,10 @@ class SweepResult:
         lines = [f"{'batch':>8}  {'samples/s':>12}  {'peak memory':>12}  {'source':<9}  status"]
         for r in self.rows:
             sps = f"{r.samples_per_sec:,.0f}" if r.samples_per_sec else "-"
-            lines.append(f"{r.batch_size:>8}  {sps:>12}  "
-                         f"{devices.format_bytes(r.peak_bytes):>12}  "
+            peak = devices.format_bytes(r.peak_bytes)
+            if r.peak_exact is False:
+                peak = "<= " + peak
+            lines.append(f"{r.batch_size:>8}  {sps:>12}  {peak:>12}  "
                          f"{r.memory_source or '-':<9}  {r.status}")
         if self.oom_batch is not None:
             lines.append(f"out of memory at batch {self.oom_batch}; largest that fit: "
@@ -623,6 +752,9 @@ class SweepResult:
         if self.memory_source == devices.SOURCE_HOST_RSS:
             lines.append("peak memory: host RSS, the resident memory of the whole process "
                          "(the CPU allocator keeps no statistics here), not HBM")
+        if any(r.peak_exact is False for r in self.rows):
+            lines.append("<= X: an upper bound (the device's peak counter cannot be reset, "
+                         "and this run did not raise it)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -682,13 +814,25 @@ def _mem_unit(value: float) -> tuple[float, str]:
     return 1.0, "B"
 
 
-def _memory_devices(model) -> list[tuple[str, str]]:
+def _memory_devices(model) -> list[tuple]:
     """`(device, source)` to watch: each replica's device, the host CPU once.
 
     The source is the device's allocator where it keeps statistics, else for
     the host the process's resident memory (`devices.memory_source`);
-    devices nothing can read are left out.
+    devices nothing can read are left out. On JAX the devices are
+    `jax.Device`s of the active distribution (`devices.monitored_jax_devices`).
     """
+    if keras.backend.backend() == "jax":
+        out, host = [], False
+        for device in devices.monitored_jax_devices():
+            source = devices.memory_source(device)
+            if source == devices.SOURCE_HOST_RSS:
+                if host:
+                    continue  # one process: its RSS once
+                host = True
+            if source is not None:
+                out.append((device, source))
+        return out
     names = [n.split("device:")[-1]
              for n in devices.replica_device_names(model.distribute_strategy)]
     out = []
@@ -745,6 +889,64 @@ def _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps):
                          f"got {steps!r}.")
 
 
+class _Cycle(keras.utils.PyDataset):
+    """`steps` batches for the sweep's one epoch, cycling through a finite source
+    (what `.repeat()` does for a tf.data dataset)."""
+
+    def __init__(self, get, count: int | None, steps: int):
+        super().__init__()
+        self._get, self._count, self._steps = get, count, steps
+
+    def __len__(self):
+        return self._steps
+
+    def __getitem__(self, index):
+        return self._get(index % self._count if self._count else index)
+
+
+def _sweep_input(data, batch: int, steps: int):
+    """What `fit` trains on for one sweep row, and a TypeError's message for bad data.
+
+    tf.data (where TensorFlow is loaded): repeated. JAX also takes a
+    `keras.utils.PyDataset` (cycled) and arrays, a tuple `(x, y)` or dict,
+    cut into full batches of `batch` rows (one static shape, one compile), cycled.
+    """
+    from keras_tpu_mem.monitoring.input_rate import _array_batches, _dataset_kind
+
+    kind = _dataset_kind(data)
+    if kind == "tf.data":
+        return data.repeat()
+    if keras.backend.backend() != "jax":
+        raise TypeError("`dataset_fn` must return a tf.data.Dataset, got "
+                        f"{type(data).__name__}.")
+    if kind == "PyDataset":
+        return _Cycle(data.__getitem__, data.num_batches, steps)
+    if kind == "arrays":
+        full = [b for b in _array_batches(data, batch)
+                if keras.tree.flatten(b)[0].shape[0] == batch]
+        if not full:
+            raise ValueError(f"`dataset_fn({batch})` returned arrays with fewer than {batch} "
+                             "rows: not one full batch.")
+        return _Cycle(full.__getitem__, len(full), steps)
+    raise TypeError(
+        "`dataset_fn` must return a tf.data.Dataset (where TensorFlow is installed), a "
+        "keras.utils.PyDataset, or arrays (a tuple (x, y) or dict of arrays), got "
+        f"{type(data).__name__}.")
+
+
+def _is_oom(err: BaseException) -> bool:
+    """An out-of-memory error of either framework (or Python's own MemoryError)."""
+    if isinstance(err, MemoryError):
+        return True
+    tf = sys.modules.get("tensorflow")
+    errors = getattr(tf, "errors", None)
+    if errors is not None and isinstance(err, errors.ResourceExhaustedError):
+        return True
+    # JAX: XlaRuntimeError / JaxRuntimeError whose message starts RESOURCE_EXHAUSTED.
+    return (type(err).__name__ in ("XlaRuntimeError", "JaxRuntimeError")
+            and "RESOURCE_EXHAUSTED" in str(err))
+
+
 @contextlib.contextmanager
 def _quiet_framework():
     """Keeps TensorFlow's Python log lines (retracing notices for every fresh
@@ -778,14 +980,24 @@ def batch_size_sweep(
     `TF_ENABLE_ONEDNN_OPTS=0`) it is the peak resident memory of the whole
     process instead, said once and kept in each row's `memory_source`
     (`"host_rss"`). The sweep stops at the first out-of-memory error
-    (`tf.errors.ResourceExhaustedError`), records it and reports the largest
-    batch that fit.
+    (`tf.errors.ResourceExhaustedError`; on JAX an `XlaRuntimeError` with
+    RESOURCE_EXHAUSTED), records it and reports the largest batch that fit.
+
+    On the JAX backend `dataset_fn` may also return a `keras.utils.PyDataset`
+    or arrays (a tuple `(x, y)`, cut into full batches); the devices are those
+    of the active `keras.distribution`, each read with `memory_stats()` (TPU,
+    GPU), or the host RSS where JAX's CPU devices keep no statistics. A JAX
+    allocator's peak cannot be reset between rows: a row's peak is exact where
+    its run raised the device's high-water mark (smallest batch first, it
+    normally does), else an upper bound (`SweepRow.peak_exact` False, `<=` in
+    the table).
 
     Args:
         build_fn: `() -> compiled keras.Model` (build it in your strategy's
             scope for a multi-replica sweep).
         dataset_fn: `batch_size -> tf.data.Dataset` of batches of that (global)
-            size.
+            size (on JAX also a `keras.utils.PyDataset` of such batches, or
+            arrays `(x, y)` to cut into them).
         batch_sizes: Batch sizes to try.
         steps: Training steps per batch size (>= 2).
         png_path: If given, write the throughput / peak-memory figure there.
@@ -818,9 +1030,12 @@ def batch_size_sweep(
     print(result.table())
     ```
     """
-    import tensorflow as tf
-
-    require_tensorflow_backend("batch_size_sweep")
+    backend = keras.backend.backend()
+    if backend not in _BACKENDS:
+        raise RuntimeError(
+            f"batch_size_sweep needs the Keras TensorFlow or JAX backend, but Keras is "
+            f"running on {backend!r}. Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax "
+            "before importing keras.")
     _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps)
     if verbose not in (0, 1) or isinstance(verbose, bool):
         raise ValueError(f"`verbose` must be 0 (log lines) or 1 (progress bar), got {verbose!r}.")
@@ -840,10 +1055,7 @@ def batch_size_sweep(
             if not isinstance(model, keras.Model) or not getattr(model, "compiled", False):
                 raise TypeError("`build_fn` must return a compiled keras.Model, got "
                                 f"{type(model).__name__}.")
-            data = dataset_fn(batch)
-            if not isinstance(data, tf.data.Dataset):
-                raise TypeError("`dataset_fn` must return a tf.data.Dataset, got "
-                                f"{type(data).__name__}.")
+            data = _sweep_input(dataset_fn(batch), batch, steps)
             watch = _memory_devices(model)
             if not announced and any(s == devices.SOURCE_HOST_RSS for _, s in watch):
                 announced = True
@@ -853,21 +1065,27 @@ def batch_size_sweep(
                     "peak memory is the host RSS of the whole process instead (%s), which "
                     "includes the data, the framework and earlier models, not HBM.",
                     devices.host_peak_method())
+            marks = []  # where a peak counter cannot be reset: the peak before the run
             for name, source in watch:
-                devices.reset_peak(name, source=source)
+                if devices.reset_peak(name, source=source) or source == devices.SOURCE_HOST_RSS:
+                    marks.append(None)
+                else:
+                    before = devices.read_memory(name, source=source)
+                    marks.append(before[1] if before else None)
             timer = _Timer()
             with _quiet_framework():
-                model.fit(data.repeat(), steps_per_epoch=steps, epochs=1, verbose=0,
+                model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0,
                           shuffle=False, callbacks=[timer])
             peaks = []
-            for name, source in watch:
+            for (name, source), mark in zip(watch, marks):
                 value = devices.read_memory(name, source=source)
                 if value is not None:
-                    peaks.append((value[1], source))
-            peak, source = max(peaks) if peaks else (None, None)
+                    peaks.append((value[1], source, mark is None or value[1] > mark))
+            peak, source, exact = max(peaks) if peaks else (None, None, None)
+            exact = None if exact is None or (exact and all(m is None for m in marks)) else exact
             elapsed = (timer.t_last_end - timer.t_first_end) if timer.t_last_end else None
             sps = (timer.steps_after_first * batch / elapsed) if elapsed else None
-            rows.append(SweepRow(batch, sps, peak, memory_source=source))
+            rows.append(SweepRow(batch, sps, peak, memory_source=source, peak_exact=exact))
             if progbar is not None:
                 values = [("samples/s", sps or 0.0)]
                 if peak is not None:
@@ -877,7 +1095,9 @@ def batch_size_sweep(
                 logger.info("batch_size_sweep: batch %d: %s samples/s, peak %s (%s)", batch,
                             f"{sps:,.0f}" if sps else "-", devices.format_bytes(peak),
                             source or "unreadable")
-        except (tf.errors.ResourceExhaustedError, MemoryError) as err:
+        except Exception as err:
+            if not _is_oom(err):
+                raise
             message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             rows.append(SweepRow(batch, None, None, "oom", message[:300]))
             skipped = tuple(sizes[i + 1:])

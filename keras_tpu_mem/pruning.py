@@ -38,17 +38,19 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.engine import EngineCallback, update_variable
+from keras_tpu_mem.engine.core import backend_name
 from keras_tpu_mem.pruning_masks import (
     apply_mask,
     block_mask,
@@ -67,6 +69,18 @@ from keras_tpu_mem.pruning_schedules import (
 )
 
 _POOLING_TYPES = ("AVG", "MAX")
+
+
+def _tensorflow():
+    """TensorFlow, imported only on the TensorFlow backend's code paths (the JAX
+    path is keras.ops and numpy, so this module imports on a JAX-only install)."""
+    import tensorflow as tf
+
+    return tf
+
+
+def _on_jax() -> bool:
+    return backend_name() == "jax"
 # Schedules whose pruning steps are exactly tfmot's `begin_step + j * frequency`
 # (within end_step): the step tests below are simplified with that. Not a
 # user's PruningSchedule subclass, whose `__call__` may decide otherwise.
@@ -340,6 +354,7 @@ class Pruning(EngineCallback):
 
     name = "pruning"
     order = 90
+    backends = ("tensorflow", "jax")
 
     def __init__(self, schedule, *, layers=None, block_size=(1, 1), block_pooling_type="AVG",
                  m_by_n=None, log_dir=None):
@@ -383,7 +398,12 @@ class Pruning(EngineCallback):
         if log_dir is not None:
             if not isinstance(log_dir, (str, os.PathLike)) or not str(log_dir):
                 raise TypeError(f"`log_dir` must be a non-empty path, got {log_dir!r}.")
-            if not hasattr(tf.summary, "scalar"):
+            if _on_jax():
+                if _event_writer_class() is None:
+                    raise ImportError(
+                        "Pruning(log_dir=...) writes TensorBoard scalars, which needs the "
+                        "`tensorboard` package: pip install tensorboard.")
+            elif not hasattr(_tensorflow().summary, "scalar"):
                 raise ImportError(
                     "Pruning(log_dir=...) writes TensorBoard scalars, which needs the "
                     "`tensorboard` package (TensorFlow >= 2.21 no longer installs it): "
@@ -443,9 +463,18 @@ class Pruning(EngineCallback):
         self._deferred = False
         self._needs_sync = True
         if self.log_dir is not None:
-            self._writer = tf.summary.create_file_writer(self.log_dir)
+            if _on_jax():
+                self._writer = _event_writer_class()(self.log_dir, flush_secs=30)
+            else:
+                self._writer = _tensorflow().summary.create_file_writer(self.log_dir)
         chosen = _select_layers(model, self.layers)  # unknown names fail here
         if not all(layer.built for layer in chosen):
+            if _on_jax():
+                # Keras' JAX fit builds the model before the step is made; a model
+                # still unbuilt here has no kernels to carry masks for.
+                raise ValueError(
+                    "Pruning on JAX needs a built model (define it with keras.Input or "
+                    "call `model.build(input_shape)` before `fit`).")
             # A lazily built model (e.g. subclassed, default strategy): Keras builds
             # its layers in the first trace of the step, before `after_update`,
             # which then finds the weights and creates their masks (all ones: an
@@ -466,6 +495,16 @@ class Pruning(EngineCallback):
             # The same model again (a second fit): keep the mask variables, which
             # the engine's cached step still refers to; they are re-derived below.
             weights = previous
+        elif _on_jax():
+            from keras_tpu_mem._compat import jax as jax_compat
+
+            for w in weights:
+                # Owned by the callback, not the model; the engine carries its value
+                # beside Keras' state. Bool (XLA always compiles on JAX), laid out
+                # exactly like its kernel (under ModelParallel: the same shards).
+                w.mask = keras.Variable(initializer="ones", shape=tuple(w.variable.shape),
+                                        dtype="bool", trainable=False, name="pruning_mask")
+                jax_compat.set_variable_value(w.mask, _like(w.variable, True))
         else:
             with model.distribute_strategy.scope():
                 for w in weights:
@@ -489,6 +528,9 @@ class Pruning(EngineCallback):
                 what, len(weights), f"{total:,}", len({id(w.layer) for w in weights}),
                 self.schedule,
             )
+
+    def step_variables(self):
+        return [w.mask for w in self._weights]
 
     def uninstall(self, model):
         if self._writer is not None:
@@ -555,20 +597,32 @@ class Pruning(EngineCallback):
             tests = []
             if frequency > 1:
                 since_begin = step - begin if begin else step
-                tests.append(tf.equal(tf.math.floormod(since_begin, frequency), 0))
+                # (`ops.mod` is a floor modulo on every backend, as tf.math.floormod.)
+                tests.append(ops.equal(ops.mod(since_begin, frequency), 0))
             if begin > 0:
-                tests.append(tf.greater_equal(step, begin))
+                tests.append(ops.greater_equal(step, begin))
             if end >= 0:
-                tests.append(tf.less_equal(step, end))
-            should = tf.constant(True) if not tests else tests[0]
+                tests.append(ops.less_equal(step, end))
+            should = ops.convert_to_tensor(True) if not tests else tests[0]
             for test in tests[1:]:
-                should = tf.logical_and(should, test)
-            return should, lambda: tf.cast(schedule(step)[1], tf.float32)
+                should = ops.logical_and(should, test)
+            return should, lambda: ops.cast(schedule(step)[1], "float32")
         should, sparsity = self._schedule(step)
         return should, lambda: sparsity
 
     def _schedule(self, step):
         should, sparsity = self.schedule(step)
+        if _on_jax():
+            should = ops.cast(should, "bool")
+            sparsity = ops.cast(sparsity, "float32")
+            if type(self.schedule) not in _OWN_SCHEDULES:
+                # XLA has no assertions: an out-of-range sparsity from a foreign
+                # schedule keeps the previous masks (as under XLA on TensorFlow).
+                valid = ops.logical_and(ops.greater_equal(sparsity, 0.0),
+                                        ops.less(sparsity, 1.0))
+                should = ops.logical_and(should, valid)
+            return should, sparsity
+        tf = _tensorflow()
         should = tf.cast(should, tf.bool)
         sparsity = tf.cast(sparsity, tf.float32)
         if type(self.schedule) not in _OWN_SCHEDULES:
@@ -585,14 +639,17 @@ class Pruning(EngineCallback):
         return should, sparsity
 
     def _new_mask(self, w, sparsity):
-        value = tf.convert_to_tensor(w.variable.value)
+        value = ops.convert_to_tensor(w.variable.value)
         if self.m_by_n:
             return m_by_n_mask(value, self.m_by_n, w.axis)
         if self.block_size != (1, 1):
             return block_mask(value, sparsity, self.block_size, self.block_pooling_type)[0]
-        return magnitude_mask(tf.abs(value), sparsity)[0]
+        return magnitude_mask(ops.abs(value), sparsity)[0]
 
     def after_update(self, ctx):
+        if _on_jax():
+            return self._after_update_jax(ctx)
+        tf = _tensorflow()
         model = ctx.model
         if self._deferred:
             self._deferred = False
@@ -612,6 +669,28 @@ class Pruning(EngineCallback):
         for w in self._weights:
             value = tf.convert_to_tensor(w.variable.value)
             update_variable(w.variable, _assign, apply_mask(value, w.mask.value))
+
+    def _after_update_jax(self, ctx):
+        """The same hook in keras.ops, run by the JAX engine inside a StatelessScope:
+        every `.value` below is this step's post-update value, every `assign` becomes
+        part of the step's new state."""
+        step = ctx.model.optimizer.iterations.value  # updates made, this one included
+        should, sparsity_fn = self._should_prune(step)
+        weights = self._weights
+
+        def recompute():
+            sparsity = sparsity_fn()
+            return [ops.cast(self._new_mask(w, sparsity), "bool") for w in weights]
+
+        def keep():
+            return [w.mask.value for w in weights]
+
+        # Assign outside the branches: values computed inside a cond must leave it
+        # as its outputs, not as assignments.
+        masks = ops.cond(should, recompute, keep) if weights else []
+        for w, mask in zip(weights, masks):
+            w.mask.assign(mask)
+            w.variable.assign(apply_mask(w.variable.value, mask))
 
     # ------------------------------------------------------------ resume
     def _pruning_started(self, step: int) -> bool:
@@ -634,8 +713,16 @@ class Pruning(EngineCallback):
             step = min(step, first + stride)
             if self.schedule.end_step >= 0:
                 step = min(step, self.schedule.end_step)
+        structured = self.m_by_n is not None
+        if _on_jax():
+            # On the host, step by step (our schedules: at most two steps).
+            for s in range(first, step + 1, stride):
+                should, sparsity = self._schedule(np.int32(s))
+                if bool(should) and (structured or float(sparsity) > 0):
+                    return True
+            return False
+        tf = _tensorflow()
         if self._started_fn is None:
-            structured = self.m_by_n is not None
 
             @tf.function(autograph=False)
             def started(limit):
@@ -655,8 +742,16 @@ class Pruning(EngineCallback):
         return bool(self._started_fn(tf.constant(step, tf.int64)))
 
     def _sync_masks(self):
-        step = int(self.model.optimizer.iterations.numpy())
+        step = int(np.asarray(self.model.optimizer.iterations.value))
         started = self._pruning_started(step)
+        if _on_jax():
+            from keras_tpu_mem._compat import jax as jax_compat
+
+            for w in self._weights:
+                mask = (np.asarray(w.variable.value) != 0) if started else True
+                jax_compat.set_variable_value(w.mask, _like(w.variable, mask))
+            return
+        tf = _tensorflow()
         for w in self._weights:
             value = tf.convert_to_tensor(w.variable.value)
             mask = tf.not_equal(value, 0) if started else tf.ones(value.shape, tf.bool)
@@ -664,6 +759,9 @@ class Pruning(EngineCallback):
 
     # ------------------------------------------------------------ logging
     def _write_summaries(self):
+        if _on_jax():
+            return self._write_summaries_jax()
+        tf = _tensorflow()
         step = int(self.model.optimizer.iterations.numpy())
         _, sparsity = self._schedule(tf.constant(step, tf.int64))
         with self._writer.as_default(step=step):
@@ -676,6 +774,44 @@ class Pruning(EngineCallback):
                     tf.summary.scalar(f"pruning/{w.path}/threshold", smallest_kept(
                         w.variable.value, mask, self.block_size, self.block_pooling_type))
         self._writer.flush()
+
+    def _write_summaries_jax(self):
+        """The same scalars, on the host, with TensorBoard's pure-Python event writer."""
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        model = self.model  # the property: syncs Keras' JAX state into the variables
+        step = int(np.asarray(model.optimizer.iterations.value))
+        _, sparsity = self._schedule(np.int32(step))
+        values = {"pruning/schedule_sparsity": float(sparsity)}
+        for w in self._weights:
+            mask = np.asarray(w.mask.value).astype(bool)
+            values[f"pruning/{w.path}/sparsity"] = 1.0 - float(mask.mean())
+            if not self.m_by_n:
+                values[f"pruning/{w.path}/threshold"] = float(smallest_kept(
+                    w.variable.value, w.mask.value, self.block_size, self.block_pooling_type))
+        summary = summary_pb2.Summary(value=[
+            summary_pb2.Summary.Value(tag=tag, simple_value=value)
+            for tag, value in values.items() if math.isfinite(value)])
+        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
+                                               summary=summary))
+        self._writer.flush()
+
+
+def _like(variable, value):
+    """`value` (a bool or a bool array of the variable's shape) as a bool array placed
+    exactly like the variable's value (its sharding under a keras.distribution)."""
+    import jax
+
+    current = variable.value
+    array = np.broadcast_to(np.asarray(value, dtype=bool), tuple(current.shape))
+    return jax.device_put(np.ascontiguousarray(array), current.sharding)
+
+
+def _event_writer_class():
+    """TensorBoard's pure-Python `EventFileWriter`, or None without `tensorboard`."""
+    from keras_tpu_mem.monitoring._writer import _event_writer_class as find
+
+    return find()
 
 
 def _assign(variable, value):
@@ -692,6 +828,9 @@ def _mask_dtype(model, variable) -> str:
     slower than `MulNoNan` (70 vs 22 us on a 256x256 float32 kernel, 2-core
     CPU): there the mask takes the weight's dtype and masking is a multiply.
     """
+    if _on_jax():
+        return "bool"  # XLA always compiles the JAX step
+    tf = _tensorflow()
     xla = bool(model.jit_compile) or isinstance(model.distribute_strategy,
                                                 tf.distribute.TPUStrategy)
     return "bool" if xla else variable.dtype

@@ -15,6 +15,12 @@ writes, next to them:
 and returns a text summary table. matplotlib is imported only here, lazily,
 and through its object API (no pyplot), so a report never changes the
 plotting backend of the calling program.
+
+The report only reads files: it imports neither Keras nor a framework
+(TensorFlow, JAX), and reads the timelines of either backend alike. Peaks
+recorded as upper bounds (`"peak_exact": false`, written where a device's
+peak counter cannot be reset, as on JAX's TPU/GPU allocators) are shown as
+`<= X`.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ import json
 import os
 
 from keras_tpu_mem.devices import GIB, SOURCE_ALLOCATOR, format_bytes
-from keras_tpu_mem.monitoring import (
+
+# `_layout` imports no framework (the package `keras_tpu_mem.monitoring` loads
+# its modules lazily), so reading a log folder never starts TensorFlow or JAX.
+from keras_tpu_mem.monitoring._layout import (
     MEMORY_SUBDIR,
     SUMMARY_FILE,
     THROUGHPUT_SUBDIR,
@@ -269,10 +278,13 @@ def summarize_memory(records: list[dict]) -> dict:
 
     Returns `{device: {"compile_peak_bytes", "train_peak_bytes", "eval_peak_bytes",
     "capacity_bytes", "headroom", "peak_step", "peak_phase", "peak_bytes", "shared",
-    "source", "process_wide"}}`; the peak step is that of the highest reading of
-    any phase. `source` is `"allocator"` or `"host_rss"` (the resident memory
-    of the whole process); timelines written before sources were recorded are
-    allocator readings.
+    "source", "process_wide", "peak_exact"}}`; the peak step is that of the highest
+    reading of any phase. `source` is `"allocator"` or `"host_rss"` (the
+    resident memory of the whole process); timelines written before sources
+    were recorded are allocator readings. `peak_exact` is `{phase: bool}`:
+    False where the phase's peak is only an upper bound (a reading with
+    `"peak_exact": false`, from a peak counter that cannot be reset, as on JAX;
+    readings without the key are exact).
     """
     result: dict[str, dict] = {}
     for record in records:
@@ -284,15 +296,20 @@ def summarize_memory(records: list[dict]) -> dict:
                 "peak_phase": None, "shared": bool(reading.get("shared")),
                 "source": reading.get("source") or SOURCE_ALLOCATOR,
                 "process_wide": bool(reading.get("process_wide")), "_best": None,
+                "peak_exact": {"compile": None, "train": None, "eval": None},
             })
             peak = reading.get("peak_bytes")
             if reading.get("capacity_bytes"):
                 info["capacity_bytes"] = reading["capacity_bytes"]
             if peak is None:
                 continue
+            exact = reading.get("peak_exact", True) is not False
             key = f"{phase}_peak_bytes"
             if key in info and (info[key] is None or peak > info[key]):
                 info[key] = peak
+                info["peak_exact"][phase] = exact
+            elif key in info and peak == info[key]:
+                info["peak_exact"][phase] = bool(info["peak_exact"][phase]) or exact
             if info["_best"] is None or peak > info["_best"]:
                 info.update(_best=peak, peak_step=record["step"], peak_phase=phase)
     for info in result.values():
@@ -385,9 +402,9 @@ def _memory_rows(memory: dict) -> list[tuple]:
         rows.append((
             label,
             source_column(info["source"]),
-            _fmt_bytes(info["compile_peak_bytes"]),
-            _fmt_bytes(info["train_peak_bytes"]),
-            _fmt_bytes(info["eval_peak_bytes"]),
+            _fmt_bytes(info["compile_peak_bytes"], info["peak_exact"].get("compile")),
+            _fmt_bytes(info["train_peak_bytes"], info["peak_exact"].get("train")),
+            _fmt_bytes(info["eval_peak_bytes"], info["peak_exact"].get("eval")),
             format_bytes(info["capacity_bytes"]),
             "unknown" if info["headroom"] is None else f"{100 * info['headroom']:.1f}%",
             "-" if info["peak_step"] is None else f"{info['peak_step']} ({info['peak_phase']})",
@@ -407,6 +424,9 @@ def _run_text(folder: _Folder, run: _Run, memory: dict | None, throughput: dict 
         if any(i["process_wide"] for i in memory.values()):
             lines.append("host RSS (process): the resident memory of the whole training "
                          "process (the CPU allocator kept no statistics), not HBM")
+        if any(v is False for i in memory.values() for v in i["peak_exact"].values()):
+            lines.append("<= X: an upper bound. The device's peak counter could not be reset "
+                         "(JAX): that phase stayed at or below a peak reached earlier")
     if throughput:
         first = ", ".join(f"{s:.2f} s" for s in throughput["first_step_s"]) or "-"
         step_ms = throughput["step_time_ms"]
@@ -582,7 +602,8 @@ def _plot_memory(ax, records, summary):
             title = (f"{what}: peak {format_bytes(best['peak_bytes'])} "
                      "(capacity unknown; HBMMonitor(capacity_bytes=...) draws it)")
         if any(i["process_wide"] for i in summary.values()):
-            title += ("\nCPU allocator kept no statistics (oneDNN off): host RSS includes "
+            title += ("\nCPU allocator kept no statistics (TensorFlow with oneDNN off, or "
+                      "JAX on CPU): host RSS includes "
                       "weights, data, Python and the framework")
         elif any(i["shared"] for i in summary.values()):
             title += "\nCPU: one host allocator shared by all replicas and the input pipeline"

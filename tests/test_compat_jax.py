@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
+import pytest
 from helpers_jax import make_distribution, mlp, scope, sparse_ce, toy_data
 from jax.sharding import PartitionSpec
 
@@ -107,3 +108,18 @@ def test_tensor_layouts_for_manual_axes():
     assert "get_tensor_layout" not in distribution.__dict__
     assert tuple(distribution.get_tensor_layout("sequential/dense_in/output").axes) == (
         "batch", "model")
+
+
+def test_set_variable_value_keeps_the_sharding():
+    distribution = make_distribution("mp2x4")
+    with distribution.scope():
+        variable = keras.Variable(np.zeros((16, 8), "float32"), trainable=False, name="m")
+    kernel_like = jax.device_put(
+        np.arange(128, dtype="float32").reshape(16, 8),
+        jax.sharding.NamedSharding(jax_compat.backend_mesh(distribution.device_mesh),
+                                   PartitionSpec(None, "model")))
+    jax_compat.set_variable_value(variable, kernel_like)
+    assert variable.value.sharding == kernel_like.sharding
+    np.testing.assert_array_equal(np.asarray(variable.value), np.asarray(kernel_like))
+    with pytest.raises(ValueError, match="shape"):
+        jax_compat.set_variable_value(variable, np.zeros((2, 2), "float32"))

@@ -93,10 +93,39 @@ def test_feature_without_jax_support_is_refused():
                   callbacks=[TensorFlowOnly()])
 
 
-def test_after_update_hook_is_refused_on_jax():
-    model = _compiled(mlp())
-    with pytest.raises(NotImplementedError, match="after-update hook"):
-        model.fit(*toy_data(32), batch_size=32, epochs=1, verbose=0, callbacks=[AfterUpdate()])
+class HalveFirstKernel(EngineCallback):
+    """An after-update hook that assigns: functional on JAX (a StatelessScope in the step)."""
+
+    name = "halve"
+    backends = ("tensorflow", "jax")
+
+    def after_update(self, ctx):
+        kernel = ctx.model.layers[0].kernel
+        kernel.assign(kernel * 0.5)
+
+
+@pytest.mark.parametrize("distribution_name", [None, "dp8"])
+def test_after_update_hook_assignments_become_the_new_state(distribution_name):
+    x, y = toy_data(64)
+    distribution = make_distribution(distribution_name) if distribution_name else None
+
+    def fit(callbacks):
+        with scope(distribution):
+            model = _compiled(mlp(), steps_per_execution=2)
+            model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                      callbacks=callbacks)
+        return model
+
+    hooked = fit([HalveFirstKernel()])
+    assert int(hooked.optimizer.iterations.numpy()) == 2
+    # Reference: the same two updates by hand, each followed by halving the kernel.
+    with scope(distribution):
+        reference = _compiled(mlp())
+    for start in (0, 32):
+        reference.train_on_batch(x[start:start + 32], y[start:start + 32])
+        kernel = reference.layers[0].kernel
+        kernel.assign(kernel.numpy() * 0.5)
+    assert max_abs_diff(hooked.get_weights(), reference.get_weights()) <= 1e-6
 
 
 class _Observe(keras.callbacks.Callback):

@@ -175,3 +175,16 @@ def backends_initialized() -> bool:
     from jax._src import xla_bridge
 
     return bool(getattr(xla_bridge, "_backends", {}))
+
+
+# ------------------------------------------------------- feature variables
+def set_variable_value(variable, value) -> None:
+    """Sets a Keras variable's value to the array `value` as it is, keeping its
+    sharding (3.12-3.15: `KerasVariable._value`; `assign` would lay the value
+    out again by the variable's own `_layout`, which for a variable outside the
+    model, such as a pruning mask, is the distribution's default, replicated).
+    The engine writes back the feature values a jitted step returns with it."""
+    if tuple(value.shape) != tuple(variable.shape):
+        raise ValueError(f"`value` has shape {tuple(value.shape)}, but the variable "
+                         f"{variable.path!r} has shape {tuple(variable.shape)}.")
+    variable._value = value

@@ -32,7 +32,21 @@ registration points (all optional, all methods of `Feature`):
   Keras scales it; anything added must be scaled the same way
   (`scale_for_replicas`). `ctx` is a `StepContext`.
 * **`after_update(ctx)`** – runs inside the compiled step right after the
-  optimizer update, on every replica (pruning masks).
+  optimizer update, on every replica (pruning masks). Written with Keras
+  variables (`variable.value`, `variable.assign`) and `keras.ops`: on
+  TensorFlow it writes the variables; on JAX the engine runs it inside a
+  `keras.StatelessScope` that maps the model's, the optimizer's and the
+  features' variables to their post-update values and takes its assignments
+  as the step's new values (values in, values out: the jitted step stays pure).
+  `optimizer.iterations` reads the count after the update; branch with
+  `keras.ops.cond`, and assign outside the branches.
+* **`step_variables()` / `frozen_variables()`** – Keras variables a feature
+  owns outside the model that the step reads (both) and writes (the first:
+  pruning masks, a temperature). On TensorFlow they are ordinary variables; on
+  JAX the engine passes their values into the jitted step beside Keras' state
+  (carried ones keep the sharding their value has, e.g. a mask its kernel's,
+  and are written back after every step, so `steps_per_execution > 1` holds)
+  and frozen ones (a teacher's weights) as inputs that are never returned.
 * **`explain_error(error) -> Exception | None`** – when the step fails, each
   feature may return a clearer exception to raise instead (chained to the
   original).
@@ -160,6 +174,14 @@ class Feature:
     def after_update(self, ctx: StepContext) -> None:
         """Runs inside the step after the optimizer update."""
 
+    def step_variables(self) -> list:
+        """Keras variables (outside the model) the step reads and writes."""
+        return []
+
+    def frozen_variables(self) -> list:
+        """Keras variables (outside the model) the step only reads."""
+        return []
+
     def explain_error(self, error: Exception) -> Exception | None:
         """A clearer exception for an error of the step, or None."""
         return None
@@ -198,6 +220,10 @@ class _FirstCallObserver:
     def __init__(self, engine, inner):
         self.engine = engine
         self.inner = inner
+
+    def __getattr__(self, name):
+        # Attributes of the train function (`jitted_step` on JAX) read through.
+        return getattr(self.__dict__["inner"], name)
 
     def __call__(self, *args, **kwargs):
         model = self.engine.model
@@ -240,6 +266,9 @@ class Engine:
         self._observers: list[Callable] = []
         self._window_position = 0
         self.num_builds = 0
+        #: Global batch of the first step of the current fit with features (for
+        #: the OOM explanation; None where it is not static).
+        self.last_global_batch_size: int | None = None
         if self.backend == "tensorflow":
             from keras_tpu_mem.engine.tensorflow import TensorFlowStep as step_class
         else:
@@ -294,7 +323,18 @@ class Engine:
             self.model.train_function = _FirstCallObserver(self, current)
 
     # ------------------------------------------------------- fit boundaries
+    def _record_batch(self, size) -> None:
+        self.last_global_batch_size = size
+
     def _make_train_function(self, force: bool = False):
+        # The OOM explanation needs the batch of the failed step: read it at the
+        # first call of a fit with features (the step's data is not at hand when
+        # it fails), through the same first-call observer monitors use.
+        if self._record_batch in self._observers:
+            self._observers.remove(self._record_batch)
+        if self._pending:
+            self.last_global_batch_size = None
+            self._observers.append(self._record_batch)
         fn = self._make_inner_train_function(force)
         if self._observers:
             fn = _FirstCallObserver(self, fn)
@@ -404,7 +444,30 @@ class Engine:
             clearer = feature.explain_error(error)
             if clearer is not None:
                 return clearer
-        return None
+        return self._explain_out_of_memory(error)
+
+    def _explain_out_of_memory(self, error: Exception) -> Exception | None:
+        """For RESOURCE_EXHAUSTED: the compiled breakdown and the smallest change that
+        fits (`planning.oom`), else None."""
+        from keras_tpu_mem.planning import oom
+
+        if not self.features or not oom.is_resource_exhausted(error):
+            return None
+        # The explanation compiles this step again (symbolically) through
+        # `compile_context`, which refuses to run inside a fit: take the fit's
+        # features off for its duration and put them back as they were.
+        features, installed = list(self.features), self._installed
+        for feature in reversed(features):
+            feature.uninstall(self.model)
+        self._installed = False
+        try:
+            return oom.explain_out_of_memory(self.model, features,
+                                             self.last_global_batch_size, error)
+        finally:
+            self.features = features
+            for feature in features:
+                feature.install(self.model)
+            self._installed = installed
 
     def steps_for_this_call(self) -> int | None:
         """Steps the next call runs; None when the epoch's length is unknown."""

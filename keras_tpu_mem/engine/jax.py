@@ -145,7 +145,7 @@ class JaxStep:
 
     # --------------------------------------------------------- loss and grads
     def _loss(self, features, trainable, non_trainable, metrics_vars, optimizer_vars, x, y,
-              sample_weight, extras, num_micro):
+              sample_weight, extras, num_micro, feature_state=((), ())):
         """The loss to differentiate, as Keras' `compute_loss_and_updates` computes it,
         with the features' loss terms, divided by `num_micro`."""
         model = self.model
@@ -159,9 +159,11 @@ class JaxStep:
         ctx = StepContext(model, x, y, sample_weight, y_pred, extras, num_micro)
         mapping = [*zip(model.trainable_variables, trainable),
                    *zip(model.non_trainable_variables, non_trainable),
-                   *zip(model.metrics_variables, metrics_vars)]
-        # Loss terms may read Keras variables (a temperature schedule): they
-        # must see this step's values, not the purged model variables.
+                   *zip(model.metrics_variables, metrics_vars),
+                   *self._feature_mapping(features, feature_state)]
+        # Loss terms may read Keras variables (a temperature schedule, a
+        # teacher's weights): they must see this step's values, not the purged
+        # model variables nor concrete arrays jit would embed as constants.
         with keras.StatelessScope(state_mapping=mapping):
             for feature in features:
                 loss = feature.transform_loss(loss, ctx)
@@ -196,7 +198,7 @@ class JaxStep:
             return model.get_metrics_result()
 
     def _micro_batch_loop(self, features, trainable, non_trainable, optimizer_vars,
-                          metrics_vars, batch, num_micro):
+                          metrics_vars, batch, num_micro, feature_state=((), ())):
         """Sum of the micro-batch gradients of `batch` (its rows, split in order),
         with the non-trainable and metric state threaded through the loop.
 
@@ -214,7 +216,7 @@ class JaxStep:
             sums, non_trainable, metrics_vars = carry
             x, y, sample_weight, extras = micro_batch
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
-                                      x, y, sample_weight, extras, num_micro)
+                                      x, y, sample_weight, extras, num_micro, feature_state)
             unscaled, y_pred, new_non_trainable, metrics_vars = aux
             for i, (old, new) in enumerate(zip(non_trainable, new_non_trainable)):
                 updated[i] = updated[i] or new is not old
@@ -228,11 +230,84 @@ class JaxStep:
             body, (zeros, list(non_trainable), list(metrics_vars)), micro)
         return sums, non_trainable, metrics_vars, updated
 
-    # ---------------------------------------------------------------- the step
-    def _step(self, features, state, data):
-        """One update. `features` is the build's snapshot of the engine's features, so
-        that a later trace of the same step (`jitted_step.lower`) builds the same step."""
+    # ------------------------------------------------------- feature state
+    @staticmethod
+    def _feature_variables(features):
+        """`(carried, frozen)` Keras variables the features own (see
+        `Feature.step_variables` / `Feature.frozen_variables`), in feature order."""
+        carried, frozen = [], []
+        for feature in features:
+            carried.extend(feature.step_variables())
+            frozen.extend(feature.frozen_variables())
+        return carried, frozen
+
+    def _feature_mapping(self, features, feature_state):
+        carried, frozen = self._feature_variables(features)
+        values, frozen_values = feature_state
+        if len(values) != len(carried) or len(frozen_values) != len(frozen):
+            raise ValueError(
+                f"The step got {len(values)} carried and {len(frozen_values)} frozen feature "
+                f"values for {len(carried)} and {len(frozen)} feature variables; pass "
+                "`JaxStep.feature_state()` as the step's third argument.")
+        return [*zip(carried, values), *zip(frozen, frozen_values)]
+
+    def feature_state(self, features=None):
+        """`(carried values, frozen values)` of the features' own variables, as the
+        step takes them as its third argument."""
+        carried, frozen = self._feature_variables(
+            self.features if features is None else features)
+        return [v.value for v in carried], [v.value for v in frozen]
+
+    def _after_update(self, features, trainable, non_trainable, optimizer_vars, feature_state,
+                      ctx):
+        """The features' `after_update` hooks as a function of values: each runs in a
+        `keras.StatelessScope` mapping the model's, the optimizer's and the features'
+        variables to their post-update values; its assignments become the new values
+        (the step stays pure, and the same hook runs on TensorFlow, where it writes
+        the variables)."""
         model = self.model
+        carried, _ = self._feature_variables(features)
+        values = list(feature_state[0])
+        hooks = [f for f in features if type(f).after_update is not Feature.after_update]
+        if not hooks:
+            return trainable, non_trainable, values
+        groups = [(model.trainable_variables, list(trainable)),
+                  (model.non_trainable_variables, list(non_trainable)),
+                  (carried, values)]
+        for feature in hooks:
+            mapping = [*zip(model.optimizer.variables, optimizer_vars),
+                       *self._feature_mapping(features, (values, feature_state[1]))]
+            mapping += [*zip(groups[0][0], groups[0][1]), *zip(groups[1][0], groups[1][1])]
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                feature.after_update(ctx)
+            for variables, current in groups:
+                for i, variable in enumerate(variables):
+                    value = scope.get_current_value(variable)
+                    if value is not None and value is not current[i]:
+                        current[i] = value.astype(current[i].dtype)
+            for variable, value in zip(model.optimizer.variables, optimizer_vars):
+                if scope.get_current_value(variable) is not value:
+                    raise ValueError(
+                        f"{type(feature).__name__}.after_update assigned the optimizer "
+                        f"variable {variable.path!r}; after-update hooks may write only "
+                        "model and feature variables.")
+            values = groups[2][1]
+        return groups[0][1], groups[1][1], groups[2][1]
+
+    # ---------------------------------------------------------------- the step
+    def _step(self, features, state, data, feature_state=None):
+        """One update. `features` is the build's snapshot of the engine's features, so
+        that a later trace of the same step (`jitted_step.lower`) builds the same step.
+
+        With features that own variables (`step_variables`/`frozen_variables`) the step
+        is `(state, data, feature_state) -> (logs, state, carried values)`; called
+        without `feature_state`, the variables' current values are used (as constants).
+        """
+        model = self.model
+        has_feature_state = any(self._feature_variables(features))
+        if feature_state is None:
+            feature_state = self.feature_state(features)
+        feature_state = (list(feature_state[0]), list(feature_state[1]))
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         extras = {}
         for feature in features:
@@ -258,29 +333,34 @@ class JaxStep:
         if num_micro == 1:
             grad_fn = jax.value_and_grad(functools.partial(self._loss, features), has_aux=True)
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
-                                      x, y, sample_weight, extras, 1)
+                                      x, y, sample_weight, extras, 1, feature_state)
             unscaled, y_pred, non_trainable, metrics_vars = aux
             trainable, optimizer_vars = model.optimizer.stateless_apply(
                 optimizer_vars, grads, trainable)
             logs, metrics_vars = self._update_metrics(metrics_vars, unscaled, x, y, y_pred,
                                                       sample_weight)
-            return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
-
-        if shards == 1:
-            grads, non_trainable, metrics_vars, _ = self._micro_batch_loop(
-                features, trainable, non_trainable, optimizer_vars, metrics_vars, batch,
-                num_micro)
         else:
-            grads, non_trainable, metrics_vars = self._sharded_micro_batches(
-                features, trainable, non_trainable, optimizer_vars, metrics_vars, batch, num_micro,
-                shards)
-        trainable, optimizer_vars = model.optimizer.stateless_apply(
-            optimizer_vars, grads, trainable)
-        logs = self._metrics_result(metrics_vars)
-        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)
+            if shards == 1:
+                grads, non_trainable, metrics_vars, _ = self._micro_batch_loop(
+                    features, trainable, non_trainable, optimizer_vars, metrics_vars, batch,
+                    num_micro, feature_state)
+            else:
+                grads, non_trainable, metrics_vars = self._sharded_micro_batches(
+                    features, trainable, non_trainable, optimizer_vars, metrics_vars, batch,
+                    num_micro, shards, feature_state)
+            trainable, optimizer_vars = model.optimizer.stateless_apply(
+                optimizer_vars, grads, trainable)
+            logs = self._metrics_result(metrics_vars)
+        ctx = StepContext(model, x, y, sample_weight, None, extras, num_micro)
+        trainable, non_trainable, carried = self._after_update(
+            features, trainable, non_trainable, optimizer_vars, feature_state, ctx)
+        new_state = (trainable, non_trainable, optimizer_vars, metrics_vars)
+        if has_feature_state:
+            return logs, new_state, carried
+        return logs, new_state
 
     def _sharded_micro_batches(self, features, trainable, non_trainable, optimizer_vars,
-                               metrics_vars, batch, num_micro, shards):
+                               metrics_vars, batch, num_micro, shards, feature_state=((), ())):
         """The micro-batch loop inside `shard_map` over the batch axis: one reduction
         after the loop."""
         model = self.model
@@ -294,7 +374,8 @@ class JaxStep:
         non_trainable_agg = [v.aggregation for v in model.non_trainable_variables]
         metrics_agg = [v.aggregation for v in model.metrics_variables]
 
-        def local(trainable, non_trainable, optimizer_vars, metrics_vars, batch):
+        def local(trainable, non_trainable, optimizer_vars, metrics_vars, batch,
+                  feature_state):
             offset = (jax.lax.axis_index(axis).astype(jnp.uint32)
                       * jnp.uint32(_SEED_STRIDE))
             start = [_offset_seed(v, offset) if s else v
@@ -302,7 +383,7 @@ class JaxStep:
             with jax_compat.tensor_layouts_for_manual_axes(distribution, {axis}):
                 sums, local_non_trainable, local_metrics, updated = self._micro_batch_loop(
                     features, trainable, start, optimizer_vars, metrics_vars, batch,
-                    num_micro)
+                    num_micro, feature_state)
             # The one gradient reduction of the step: each device's sum of its
             # own micro-batch gradients, averaged over the devices (every
             # device's loss is the mean over its share, so the mean of the
@@ -325,11 +406,13 @@ class JaxStep:
         replicated = PartitionSpec()
         mapped = jax_compat.shard_map(
             local, mesh=mesh,
-            in_specs=(replicated, replicated, replicated, replicated, PartitionSpec(axis)),
+            in_specs=(replicated, replicated, replicated, replicated, PartitionSpec(axis),
+                      replicated),
             out_specs=(replicated, replicated, replicated),
             manual_axes={axis})
         return mapped(list(trainable), list(non_trainable), list(optimizer_vars),
-                      list(metrics_vars), batch)
+                      list(metrics_vars), batch,
+                      (list(feature_state[0]), list(feature_state[1])))
 
     # -------------------------------------------------------- the train function
     def make_step(self, jit: bool = True) -> Callable:
@@ -348,6 +431,11 @@ class JaxStep:
         out_shardings = None
         if keras.distribution.distribution() is not None:
             out_shardings = (None, jax_compat.state_sharding_spec(self.model))
+            carried, frozen = self._feature_variables(self.features)
+            if carried or frozen:
+                # Carried feature values (pruning masks) keep the shardings they were
+                # given (a mask: its kernel's), step after step.
+                out_shardings += ([v.value.sharding for v in carried],)
         return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
 
     def build_train_function(self) -> Callable:
@@ -356,16 +444,24 @@ class JaxStep:
             raise NotImplementedError(
                 "keras_tpu_mem's JAX engine does not support Keras' Flax NNX mode "
                 "(keras.config.is_nnx_enabled() is True); unset KERAS_NNX_ENABLED.")
-        for feature in self.features:
-            if type(feature).after_update is not Feature.after_update:
-                raise NotImplementedError(
-                    f"{type(feature).__name__} needs an after-update hook, which the "
-                    "JAX engine does not have yet; use the TensorFlow backend for it.")
         jit = not model.run_eagerly and bool(model.jit_compile)
         step = self.make_step(jit=jit)
         self.jitted_step = step if jit else None
         engine = self.engine
         per_call = int(model.steps_per_execution)
+        carried, frozen = self._feature_variables(self.features)
+        if carried or frozen:
+            plain = step
+
+            def step(state, data):
+                # Feature variables live beside Keras' state: read at every call
+                # (a callback may have set them between calls, e.g. a
+                # temperature schedule or the masks re-derived on resume) and
+                # written back after each step.
+                logs, state, values = plain(state, data, self.feature_state())
+                for variable, value in zip(carried, values):
+                    jax_compat.set_variable_value(variable, value)
+                return logs, state
 
         def train_function(state, iterator):
             count = engine.steps_for_this_call() or per_call

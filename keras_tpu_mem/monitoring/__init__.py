@@ -24,73 +24,55 @@ unexpected happens inside a callback, it says so once and training goes on.
 Neither writes `model.train_function`: the batch size of the data `fit`
 iterates comes from the engine (`keras_tpu_mem.engine.observe_first_batch`).
 
-One job per module: `_writer` (the run directory's files, written from a
-background thread), `_base` (argument checks, the never-break guard, the step
-counter), `hbm` (`HBMMonitor`), `throughput` (`ThroughputMonitor`) and
-`input_rate` (`measure_input_rate`). Every name that `keras_tpu_mem.monitoring`
-offered as one module is importable from it still.
+Both work on the TensorFlow and the JAX backend; what each reads where is in
+`HBMMonitor`'s docstring and docs/monitoring.md ("On the JAX backend").
+
+One job per module: `_layout` (file names, labels and the table format, shared
+with the report; imports no framework), `_writer` (the run directory's files,
+written from a background thread), `_base` (argument checks, the never-break
+guard, the step counter), `hbm` (`HBMMonitor`), `throughput`
+(`ThroughputMonitor`) and `input_rate` (`measure_input_rate`). Every name that
+`keras_tpu_mem.monitoring` offered as one module is importable from it still,
+loaded from its module on first use (PEP 562): importing
+`keras_tpu_mem.monitoring._layout` (as `keras-tpu-mem report` does) loads
+neither Keras nor a framework.
 """
 
 from __future__ import annotations
 
-from keras_tpu_mem.monitoring._base import (
-    _check_fraction,
-    _check_int,
-    _check_log_dir,
-    _check_optional_positive_int,
-    _MonitorBase,
-    _never_raise,
-    _read_iterations,
-    _StepCounter,
-    format_table,
-)
-from keras_tpu_mem.monitoring._writer import (
-    SUMMARY_FILE,
-    TIMELINE_FILE,
-    _last_attempt,
-    _RunFiles,
-    _tail_lines,
-)
-from keras_tpu_mem.monitoring.hbm import (
-    _GIB,
-    _PHASES,
-    HOST_RSS_LABEL,
-    MEMORY_SUBDIR,
-    SHARED_CPU_LABEL,
-    SOURCE_TAG,
-    HBMMonitor,
-    _assign_capacity,
-    _Device,
-    _DeviceStats,
-    _fmt_bytes,
-    _gpu_capacity,
-    _max,
-    _read,
-    _reset,
-    _resolve_devices,
-    _short,
-    _tag,
-    _tpu_capacity,
-    source_column,
-)
-from keras_tpu_mem.monitoring.input_rate import (
-    InputRate,
-    _check_dataset,
-    _leading_dim,
-    input_verdict,
-    measure_input_rate,
-)
-from keras_tpu_mem.monitoring.throughput import THROUGHPUT_SUBDIR, ThroughputMonitor
+import importlib
+
+# Name -> the submodule that defines it. The private names are re-exported for
+# report.py and the tests, which import them from here as they did from the
+# single module.
+_EXPORTS = {
+    **dict.fromkeys(("_check_fraction", "_check_int", "_check_log_dir",
+                     "_check_optional_positive_int", "_MonitorBase", "_never_raise",
+                     "_read_iterations", "_StepCounter"), "_base"),
+    **dict.fromkeys(("SUMMARY_FILE", "TIMELINE_FILE", "MEMORY_SUBDIR", "THROUGHPUT_SUBDIR",
+                     "SHARED_CPU_LABEL", "HOST_RSS_LABEL", "SOURCE_TAG", "UPPER_BOUND_MARK",
+                     "format_table", "_fmt_bytes", "source_column"), "_layout"),
+    **dict.fromkeys(("_last_attempt", "_RunFiles", "_tail_lines"), "_writer"),
+    **dict.fromkeys(("HBMMonitor", "_GIB", "_PHASES", "_assign_capacity", "_Device",
+                     "_DeviceStats", "_gpu_capacity", "_max", "_read", "_reset",
+                     "_resolve_devices", "_resolve_jax_devices", "_short", "_tag",
+                     "_tpu_capacity"), "hbm"),
+    **dict.fromkeys(("InputRate", "_check_dataset", "_leading_dim", "input_verdict",
+                     "measure_input_rate"), "input_rate"),
+    "ThroughputMonitor": "throughput",
+}
 
 __all__ = ["HBMMonitor", "InputRate", "ThroughputMonitor", "measure_input_rate"]
 
-# The private names above are re-exported for report.py and the tests, which
-# import them from here as they did from the single module.
-_REEXPORTED = (
-    _check_fraction, _check_int, _check_log_dir, _check_optional_positive_int, _MonitorBase,
-    _never_raise, _read_iterations, _StepCounter, format_table, SUMMARY_FILE, TIMELINE_FILE,
-    _last_attempt, _RunFiles, _tail_lines, _GIB, _PHASES, HOST_RSS_LABEL, MEMORY_SUBDIR,
-    SHARED_CPU_LABEL, SOURCE_TAG, _assign_capacity, _Device, _DeviceStats, _fmt_bytes,
-    _gpu_capacity, _max, _read, _reset, _resolve_devices, _short, _tag, _tpu_capacity,
-    source_column, _check_dataset, _leading_dim, input_verdict, THROUGHPUT_SUBDIR,
-)
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import keras
 
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.monitoring._layout import format_table  # noqa: F401  (it lived here)
 from keras_tpu_mem.monitoring._writer import _RunFiles
 
 
@@ -21,6 +23,14 @@ def _check_log_dir(log_dir):
         raise TypeError(
             "`log_dir` must be None (no files) or a directory path (str or "
             f"os.PathLike); got {log_dir!r}."
+        )
+    if "://" in log_dir and importlib.util.find_spec("tensorflow") is None:
+        # Checked without importing TensorFlow (JAX users may have none).
+        raise ValueError(
+            f"`log_dir` {log_dir!r} is a remote path: the monitors write one through "
+            "TensorFlow's tf.io.gfile, and TensorFlow is not installed here. Write to a "
+            "local directory and copy it (e.g. `gsutil -m cp -r logs gs://bucket/`), or "
+            "install tensorflow."
         )
     return log_dir
 
@@ -174,13 +184,3 @@ class _MonitorBase(keras.callbacks.Callback):
     def run_dir(self) -> str | None:
         """Where this monitor writes (`log_dir/<subdir>`), or `None` without `log_dir`."""
         return None if self.log_dir is None else os.path.join(self.log_dir, self._subdir)
-
-
-
-def format_table(rows) -> str:
-    """Formats rows of strings as left-aligned columns (first row is the header)."""
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
-        for row in rows
-    )

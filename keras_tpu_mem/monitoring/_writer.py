@@ -1,6 +1,10 @@
 """The monitors' run directory: TensorBoard events and the JSON-lines timeline.
 
 Written from a background thread, so the training thread only queues records.
+Needs no TensorFlow for a local directory: the events go through the
+`tensorboard` package's own pure-Python writer, and where that package is not
+installed (a JAX-only environment) the timeline and summary are still written,
+with one notice that names what adds the events.
 """
 
 from __future__ import annotations
@@ -12,8 +16,30 @@ import queue
 import threading
 import time
 
-TIMELINE_FILE = "timeline.jsonl"
-SUMMARY_FILE = "summary.json"
+from keras_tpu_mem._utils import logger
+from keras_tpu_mem.monitoring._layout import SUMMARY_FILE, TIMELINE_FILE
+
+_NOTICES: set[str] = set()
+
+
+def _event_writer_class():
+    """TensorBoard's pure-Python `EventFileWriter`, or None without `tensorboard`."""
+    try:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    except ImportError:
+        return None
+    return EventFileWriter
+
+
+def _notice_no_tensorboard(directory: str) -> None:
+    if "tensorboard" in _NOTICES:
+        return
+    _NOTICES.add("tensorboard")
+    logger.warning(
+        "keras_tpu_mem monitors: the `tensorboard` package is not installed, so no "
+        "TensorBoard events are written (first under %s); timeline.jsonl and summary.json, "
+        "which `keras-tpu-mem report` reads, are. `pip install tensorboard` adds the events.",
+        directory)
 
 
 # ------------------------------------------------------------ file outputs
@@ -42,8 +68,6 @@ class _RunFiles:
     _REMOTE_FLUSH_EVERY_S = 60.0  # gs:// and the like: each flush rewrites the timeline
 
     def __init__(self, log_dir: str, subdir: str):
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
         self.dir = os.path.join(log_dir, subdir)
         self._remote = "://" in self.dir
         self.timeline_path = os.path.join(self.dir, TIMELINE_FILE)
@@ -61,7 +85,12 @@ class _RunFiles:
             os.makedirs(self.dir, exist_ok=True)
             self.attempt = _last_attempt(_tail_lines(self.timeline_path)) + 1
             self._file = open(self.timeline_path, "a", encoding="utf-8")  # noqa: SIM115
-        self._events = EventFileWriter(self.dir, flush_secs=30)
+        writer_class = _event_writer_class()
+        #: Whether TensorBoard events are written (False without `tensorboard`).
+        self.writes_events = writer_class is not None
+        self._events = writer_class(self.dir, flush_secs=30) if writer_class else None
+        if self._events is None:
+            _notice_no_tensorboard(self.dir)
         self._flush_every = self._REMOTE_FLUSH_EVERY_S if self._remote else self._FLUSH_EVERY_S
         self._error: BaseException | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -116,7 +145,8 @@ class _RunFiles:
         finally:
             self._queue.put(None)
             self._thread.join(timeout=30.0)
-            self._events.close()
+            if self._events is not None:
+                self._events.close()
             if self._file is not None:
                 self._file.close()
                 self._file = None
@@ -168,6 +198,8 @@ class _RunFiles:
             self._lines.append(line)
 
     def _write_event(self, step, values, wall_time) -> None:
+        if self._events is None:
+            return
         from tensorboard.compat.proto import event_pb2, summary_pb2
 
         summary = summary_pb2.Summary(value=[
@@ -178,6 +210,8 @@ class _RunFiles:
         self._events.add_event(event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
 
     def _write_text(self, step, tag, markdown, wall_time) -> None:
+        if self._events is None:
+            return
         from tensorboard.compat.proto import (
             event_pb2,
             summary_pb2,
@@ -209,7 +243,8 @@ class _RunFiles:
             with tf.io.gfile.GFile(tmp, "w") as f:
                 f.write("".join(self._lines))
             tf.io.gfile.rename(tmp, self.timeline_path, overwrite=True)
-        self._events.flush()
+        if self._events is not None:
+            self._events.flush()
 
 
 def _tail_lines(path: str, nbytes: int = 65536) -> list[str]:

@@ -2,6 +2,8 @@
 
 Reads each device's allocator, or, where a CPU allocator keeps no statistics,
 the resident memory of the whole process, and names the source of every figure.
+The backend's readers live in `keras_tpu_mem.devices` (TensorFlow device names
+or `jax.Device`s); this module only picks the devices and keeps the phases.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import re
 import time
 
+import keras
+
 from keras_tpu_mem import devices
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.monitoring._base import (
@@ -19,31 +23,60 @@ from keras_tpu_mem.monitoring._base import (
     _MonitorBase,
     _never_raise,
     _StepCounter,
+)
+from keras_tpu_mem.monitoring._layout import (
+    HOST_RSS_LABEL,
+    MEMORY_SUBDIR,
+    SHARED_CPU_LABEL,
+    SOURCE_TAG,
+    UPPER_BOUND_MARK,
+    _fmt_bytes,
     format_table,
+    source_column,
 )
 
-MEMORY_SUBDIR = "ktm_memory"
-SHARED_CPU_LABEL = "CPU (shared)"
-#: The label of the host-RSS fallback: the whole process, read where the CPU
-#: allocator keeps no statistics.
-HOST_RSS_LABEL = "CPU (process RSS)"
-SOURCE_TAG = "memory_source"  # the TensorBoard text tag naming each device's source
-
 _GIB = float(devices.GIB)
+
+# Per backend: why the host's RSS stands in, what the framework is called, and
+# how to get allocator figures instead (the host-RSS notice).
+_HOST_RSS_WHY = {
+    "tensorflow": (
+        "The CPU allocator keeps no statistics here (oneDNN is off: TensorFlow's default on "
+        "CPUs without AVX-512, or TF_ENABLE_ONEDNN_OPTS=0)", "TensorFlow",
+        "TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow starts gives allocator figures."),
+    "jax": (
+        "JAX's CPU devices keep no memory statistics (jax.Device.memory_stats() is None)",
+        "JAX", "On a TPU or GPU the monitor reads each device's own memory_stats() instead."),
+}
+# Per backend: what reads a device's allocator (notices, the TensorBoard text).
+_ALLOCATOR_READER = {
+    "tensorflow": "tf.config.experimental.get_memory_info",
+    "jax": "jax.Device.memory_stats()",
+}
 
 
 # ------------------------------------------------------------------ devices
 @dataclasses.dataclass
 class _Device:
-    """One allocator to read: a TPU/GPU device, or the host CPU shared by replicas."""
+    """One allocator to read: a TPU/GPU device, or the host CPU shared by replicas.
+
+    `queries` are what the readers of `keras_tpu_mem.devices` take: TensorFlow
+    device names, or `jax.Device`s on JAX. `resettable` says whether the peak
+    counter can be reset (None until tried); where it cannot (JAX), `mark` is
+    the peak read when the current phase began: a later peak above it was
+    reached in this phase (exact), one at it is only an upper bound.
+    """
 
     label: str
-    queries: tuple[str, ...]
+    queries: tuple
     replicas: tuple[str, ...]
     shared: bool
     capacity: int | None = None
     tag: str = ""  # the label as a TensorBoard tag part
     source: str = devices.SOURCE_ALLOCATOR
+    backend: str = "tensorflow"
+    resettable: bool | None = None
+    mark: int | None = None
 
     def __post_init__(self):
         self.tag = self.tag or _tag(self.label)
@@ -80,6 +113,32 @@ def _resolve_devices(strategy) -> list[_Device]:
         result.append(_Device(short, queries, (short,), shared=False))
     if cpu_replicas:
         result.insert(0, _Device(SHARED_CPU_LABEL, ("CPU:0",), tuple(cpu_replicas), shared=True))
+    return result
+
+
+def _resolve_jax_devices(jax_devices=None) -> list[_Device]:
+    """The allocators of a JAX step's devices (`devices.monitored_jax_devices`).
+
+    A TPU or GPU device is read on its own (`memory_stats()`), also under
+    `ModelParallel`, where each device holds its own shard. CPU devices that
+    keep no statistics (JAX's) share the host's memory: one shared entry lists
+    them all, and is read from the host RSS.
+    """
+    if jax_devices is None:
+        jax_devices = devices.monitored_jax_devices()
+    result: list[_Device] = []
+    host = []
+    for device in jax_devices:
+        name = devices.jax_device_name(device)
+        readable = devices.read_memory(device) is not None
+        if devices.is_host_device(device) and not readable:
+            host.append((device, name))
+            continue
+        result.append(_Device(name, (device,), (name,), shared=False, backend="jax",
+                              resettable=False))
+    if host:
+        result.insert(0, _Device(SHARED_CPU_LABEL, (host[0][0],), tuple(n for _, n in host),
+                                 shared=True, backend="jax", resettable=False))
     return result
 
 
@@ -131,7 +190,9 @@ def _assign_capacity(device_list, capacity_bytes) -> str:
     for device in device_list:
         if device.shared:
             continue
-        if device.label.upper().startswith("TPU"):
+        if device.backend == "jax":
+            device.capacity, source = devices.jax_capacity(device.queries[0])
+        elif device.label.upper().startswith("TPU"):
             device.capacity, source = _tpu_capacity()
         elif device.label.upper().startswith("GPU"):
             device.capacity, source = _gpu_capacity()
@@ -151,10 +212,31 @@ def _read(device: _Device) -> tuple[int, int] | None:
 
 
 def _reset(device: _Device) -> bool:
+    """Starts a new peak interval; False where the peak counter cannot be reset.
+
+    Where it cannot (JAX's allocators), the peak read now becomes the device's
+    `mark`, against which the next readings tell whether they are exact.
+    """
     if device.source == devices.SOURCE_HOST_RSS:
         devices.reset_host_peak()  # False: sampled peaks only; said once at set-up
         return True
-    return any(devices.reset_peak(query) for query in device.queries)
+    done = any(devices.reset_peak(query) for query in device.queries)
+    device.resettable = done
+    if not done:
+        value = _read(device)
+        device.mark = None if value is None else value[1]
+    return done
+
+
+def _peak_exact(device: _Device, peak: int) -> bool:
+    """Whether `peak` is this interval's own peak, not an upper bound of it.
+
+    After a reset it is. Without one it is exactly when it rose above the mark
+    read when the interval began: the high-water mark was raised in between.
+    """
+    if device.resettable is not False or device.source == devices.SOURCE_HOST_RSS:
+        return True
+    return device.mark is not None and peak > device.mark
 
 
 
@@ -165,6 +247,9 @@ _PHASES = ("compile", "train", "eval")
 @dataclasses.dataclass
 class _DeviceStats:
     peaks: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(_PHASES))
+    # Per phase: whether its peak is the phase's own (True) or an upper bound
+    # (False: a counter that cannot be reset stayed at a mark set earlier).
+    exact: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(_PHASES))
     best: int | None = None        # highest compile/train reading of the fit
     peak_step: int | None = None   # the step it was read at
     epoch_train_peak: int | None = None
@@ -205,7 +290,8 @@ class HBMMonitor(_MonitorBase):
       its source (see below);
     * keeps the first-step (trace + compile + first step), training and
       evaluation peaks apart by resetting the allocator's peak counter
-      (`tf.config.experimental.reset_memory_stats`) between phases and epochs;
+      (`tf.config.experimental.reset_memory_stats`) between phases and epochs
+      (on JAX, which cannot reset it, see below);
     * warns once per `fit`, with the numbers and what to try, when the headroom
       `1 - peak / capacity` falls below `warn_headroom`;
     * prints a per-device table at the end of training: peaks per phase,
@@ -225,6 +311,23 @@ class HBMMonitor(_MonitorBase):
     TensorBoard text tag `memory_source` and the end-of-fit table name it,
     and one notice says so when training starts. The log keys stay
     `hbm_current_gib` / `hbm_peak_gib` whatever the source.
+
+    **On the JAX backend** the devices are those of the active
+    `keras.distribution` that this process holds (every device of a
+    `DataParallel` or `ModelParallel` mesh, each read on its own), or the
+    first device without one. Each TPU/GPU device is read with
+    `jax.Device.memory_stats()`: `bytes_in_use`, `peak_bytes_in_use`, and
+    `bytes_limit` as the capacity (source `"allocator"`). That peak is a
+    high-water mark since the process started, and JAX cannot reset it, so
+    phases are told apart by the mark: at each phase boundary the monitor
+    notes the peak so far; a later reading above it is the phase's own peak
+    (exact), one at it says only that the phase stayed at or below it (an
+    upper bound: timeline records and `summary.json` carry `"peak_exact":
+    false`, the tables show `<= X`). JAX's CPU devices keep no statistics
+    (`memory_stats()` is `None`): all of them share one `"CPU (process
+    RSS)"` entry read from the host RSS as above, whose VmHWM reset keeps
+    phases apart exactly as on TensorFlow. Log keys, tags and file layout are
+    the same on both backends.
 
     Where nothing can read a device (a TPU or GPU plugin without statistics)
     it says so once and training goes on without the keys. It never breaks a
@@ -290,7 +393,11 @@ class HBMMonitor(_MonitorBase):
     # ------------------------------------------------------------ plumbing
     def _setup(self) -> bool:
         """Finds the devices, picks each one's source; False if none can be read."""
-        self._devices = _resolve_devices(self.model.distribute_strategy)
+        self._backend = keras.backend.backend()
+        if self._backend == "jax":
+            self._devices = _resolve_jax_devices()
+        else:
+            self._devices = _resolve_devices(self.model.distribute_strategy)
         self._capacity_source = _assign_capacity(self._devices, self.capacity_bytes)
         unreadable = []
         for device in self._devices:
@@ -298,33 +405,35 @@ class HBMMonitor(_MonitorBase):
                 continue
             if device.shared and devices.host_memory_readable():
                 device.use_host_rss()
+                why, framework, fix = _HOST_RSS_WHY.get(self._backend, _HOST_RSS_WHY["tensorflow"])
                 self._notice(
                     "host_rss",
-                    "HBMMonitor: memory source: host RSS. The CPU allocator keeps no "
-                    "statistics here (oneDNN is off: TensorFlow's default on CPUs without "
-                    "AVX-512, or TF_ENABLE_ONEDNN_OPTS=0), so the hbm_* keys carry the "
+                    "HBMMonitor: memory source: host RSS. %s, so the hbm_* keys carry the "
                     "resident memory of the whole process (%r; peak: %s): weights, data, "
-                    "Python and TensorFlow itself, not HBM. TF_ENABLE_ONEDNN_OPTS=1 before "
-                    "TensorFlow starts gives allocator figures.",
-                    HOST_RSS_LABEL, devices.host_peak_method(),
+                    "Python and %s itself, not HBM. %s",
+                    why, HOST_RSS_LABEL, devices.host_peak_method(), framework, fix,
                 )
             else:
                 unreadable.append(device)
         if unreadable:
             names = ", ".join(d.label for d in unreadable)
+            what = ("jax.Device.memory_stats() returns nothing there" if self._backend == "jax"
+                    else "TensorFlow keeps no allocator statistics there")
             self._notice(
                 "unreadable",
-                "HBMMonitor: cannot read memory on %s: TensorFlow keeps no allocator "
-                "statistics there. Training continues without memory logging for %s.",
-                names, "it" if len(unreadable) == 1 else "them",
+                "HBMMonitor: cannot read memory on %s: %s. Training continues without "
+                "memory logging for %s.",
+                names, what, "it" if len(unreadable) == 1 else "them",
                 warning=True,
             )
             self._devices = [d for d in self._devices if d not in unreadable]
         self._stats = {d.label: _DeviceStats() for d in self._devices}
         if self._devices and not any(d.process_wide for d in self._devices):
             # (The host-RSS notice above already names its source.)
+            reader = f" ({_ALLOCATOR_READER['jax']})" if self._backend == "jax" else ""
             self._notice("sources", "HBMMonitor: memory source: %s.", "; ".join(
-                f"{d.label} <- {devices.describe_source(d.source)}" for d in self._devices))
+                f"{d.label} <- {devices.describe_source(d.source)}{reader}"
+                for d in self._devices))
         return bool(self._devices)
 
     @property
@@ -338,34 +447,54 @@ class HBMMonitor(_MonitorBase):
             return
         rows = ["| device | source | meaning |", "|---|---|---|"]
         for d in self._devices:
-            meaning = ("resident memory of the whole process (the CPU allocator keeps no "
-                       f"statistics); peak: {devices.host_peak_method()}; not HBM"
-                       if d.process_wide else "the device allocator's bytes in use and peak")
+            if d.process_wide:
+                meaning = ("resident memory of the whole process (the CPU allocator keeps no "
+                           f"statistics); peak: {devices.host_peak_method()}; not HBM")
+            elif d.resettable is False:
+                meaning = (f"the device allocator's bytes in use and peak "
+                           f"({_ALLOCATOR_READER.get(d.backend, 'allocator')}); the peak is a "
+                           "high-water mark since the process started that cannot be reset: a "
+                           "phase's peak is exact where the phase raised it, else an upper "
+                           "bound (peak_exact false)")
+            else:
+                meaning = "the device allocator's bytes in use and peak"
             rows.append(f"| {d.label} | {d.source} | {meaning} |")
         step = self._counter.current if self._counter else 0
         self._files.text(step, SOURCE_TAG, "\n".join(rows))
 
     def _reset_peaks(self) -> None:
-        for device in self._devices:
-            if not _reset(device):
-                self._notice(
-                    "reset",
-                    "HBMMonitor: cannot reset the peak counter of %s; its peaks count "
-                    "from the start of the process, so first-step, training and "
-                    "evaluation peaks are not separated.", device.label,
-                )
+        fixed = [device for device in self._devices if not _reset(device)]
+        if fixed:
+            names = ", ".join(d.label for d in fixed)
+            self._notice(
+                "reset",
+                "HBMMonitor: the peak counter of %s cannot be reset (%s keeps one "
+                "high-water mark since the process started). Phases are told apart by "
+                "that mark instead: a phase's peak is exact where the phase raised the "
+                "mark (a new high), and otherwise an upper bound, shown as '<= X' (the "
+                "phase stayed at or below a peak reached earlier; the same step program "
+                "reaches the same peak, so training steps after the first usually show "
+                "'<= first step').", names,
+                _ALLOCATOR_READER.get(fixed[0].backend, "the allocator"),
+            )
 
-    def _take_reading(self, phase: str) -> dict[str, tuple[int, int]]:
+    def _take_reading(self, phase: str) -> dict[str, tuple[int, int, bool]]:
+        """`{label: (current, peak, exact)}`; `exact` is False for an upper bound."""
         readings = {}
         for device in self._devices:
             value = _read(device)
             if value is None:
                 continue
             current, peak = value
-            readings[device.label] = value
+            exact = _peak_exact(device, peak)
+            readings[device.label] = (current, peak, exact)
             stats = self._stats[device.label]
             stats.current = current
-            stats.peaks[phase] = _max(stats.peaks[phase], peak)
+            old = stats.peaks[phase]
+            if old is None or peak > old:
+                stats.peaks[phase], stats.exact[phase] = peak, exact
+            elif peak == old:
+                stats.exact[phase] = bool(stats.exact[phase]) or exact
             if phase == "eval":
                 stats.epoch_eval_peak = _max(stats.epoch_eval_peak, peak)
             else:
@@ -385,7 +514,7 @@ class HBMMonitor(_MonitorBase):
         record_devices = {}
         scalars = {}
         sources = set()
-        for label, (current, peak) in readings.items():
+        for label, (current, peak, exact) in readings.items():
             device = by_label[label]
             sources.add(device.source)
             record_devices[label] = {
@@ -397,6 +526,9 @@ class HBMMonitor(_MonitorBase):
                 "source": device.source,
                 "process_wide": device.process_wide,
             }
+            if device.resettable is False and not device.process_wide:
+                # A counter that cannot be reset (JAX): false marks an upper bound.
+                record_devices[label]["peak_exact"] = exact
             # Host RSS is not HBM: its tags say so (host_rss/process/...).
             prefix = "host_rss" if device.process_wide else "hbm"
             prefix += "_eval" if phase == "eval" else ""
@@ -592,6 +724,11 @@ class HBMMonitor(_MonitorBase):
                   "memory_sources": self.memory_sources}
         if any(d.process_wide for d in self._devices):
             result["host_rss_peak"] = devices.host_peak_method()
+        if any(d.resettable is False and not d.process_wide for d in self._devices):
+            result["allocator_peak"] = (
+                "high-water mark since the process started (it cannot be reset): a phase's "
+                "peak is exact where the phase raised it, else an upper bound "
+                "(peak_exact false)")
         for device in self._devices:
             stats = self._stats[device.label]
             peak = stats.max_peak
@@ -609,6 +746,8 @@ class HBMMonitor(_MonitorBase):
                 "source": device.source,
                 "process_wide": device.process_wide,
             }
+            if device.resettable is False and not device.process_wide:
+                result["devices"][device.label]["peak_exact"] = dict(stats.exact)
         return result
 
     def _log_table(self, title="HBMMonitor") -> None:
@@ -617,12 +756,13 @@ class HBMMonitor(_MonitorBase):
                  "headroom", "peak at step")]
         for label, info in summary["devices"].items():
             headroom = info["headroom"]
+            exact = info.get("peak_exact") or {}
             rows.append((
                 label,
                 source_column(info.get("source")),
-                _fmt_bytes(info["compile_peak_bytes"]),
-                _fmt_bytes(info["train_peak_bytes"]),
-                _fmt_bytes(info["eval_peak_bytes"]),
+                _fmt_bytes(info["compile_peak_bytes"], exact.get("compile")),
+                _fmt_bytes(info["train_peak_bytes"], exact.get("train")),
+                _fmt_bytes(info["eval_peak_bytes"], exact.get("eval")),
                 devices.format_bytes(info["capacity_bytes"]),
                 "unknown" if headroom is None else f"{100 * headroom:.1f}%",
                 "-" if info["peak_step"] is None else str(info["peak_step"]),
@@ -631,19 +771,9 @@ class HBMMonitor(_MonitorBase):
         if "host_rss_peak" in summary:
             note = ("\nhost RSS: resident memory of the whole process, not HBM; peak = "
                     + summary["host_rss_peak"])
+        if "allocator_peak" in summary:
+            note += (f"\n{UPPER_BOUND_MARK.strip()} X: an upper bound; allocator peak = "
+                     + summary["allocator_peak"])
         logger.info("%s: peak memory per device (capacity: %s)\n%s%s", title,
                     summary["capacity_source"], format_table(rows), note)
         self.summary = summary
-
-
-def _fmt_bytes(num) -> str:
-    return "-" if num is None else devices.format_bytes(num)
-
-
-def source_column(source: str | None) -> str:
-    """A memory source as a table cell: `allocator`, `host RSS (process)`."""
-    if source is None or source == devices.SOURCE_ALLOCATOR:
-        return "allocator"  # timelines written before sources were recorded
-    if source == devices.SOURCE_HOST_RSS:
-        return "host RSS (process)"
-    return str(source)

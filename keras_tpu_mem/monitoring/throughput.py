@@ -12,14 +12,14 @@ from keras_tpu_mem.monitoring._base import (
     _never_raise,
     _StepCounter,
 )
+from keras_tpu_mem.monitoring._layout import THROUGHPUT_SUBDIR
 from keras_tpu_mem.monitoring.input_rate import (
     _check_dataset,
-    _leading_dim,
+    _dataset_batch_size,
+    _dataset_kind,
     input_verdict,
     measure_input_rate,
 )
-
-THROUGHPUT_SUBDIR = "ktm_throughput"
 
 
 # ========================================================== ThroughputMonitor
@@ -63,10 +63,22 @@ class ThroughputMonitor(_MonitorBase):
             reported separately as `first_step_s`).
         every_n_steps: Log an interval every this many training steps, >= 1.
         batch_size: Global batch size (samples per step), if it cannot be read
-            from the data.
-        dataset: The batched `tf.data.Dataset` passed to `fit`, to read the
-            batch size and to time the input pipeline at the end of training.
+            from the data (needed with `dataset=` arrays).
+        dataset: What `fit` trains on, to time the input pipeline at the end of
+            training (`measure_input_rate`): the batched `tf.data.Dataset`
+            (where TensorFlow is installed), whose static batch dimension also
+            gives the batch size; a `keras.utils.PyDataset`; or in-memory
+            arrays (a tuple or dict of arrays) together with `batch_size`.
         input_batches: Batches to time when measuring `dataset`, >= 1.
+
+    On the JAX backend everything above holds as on TensorFlow: the global
+    batch of a step under a `keras.distribution` is the whole batch `fit`
+    hands the step (all devices together), as the JAX engine reports it to
+    `observe_first_batch`. JAX batches are concrete arrays, so there the
+    first batch's size is taken for every step: a shorter last batch (arrays
+    whose length is no multiple of the batch; XLA compiles the step again for
+    it) is counted as full. `TPUStrategyWrapper.distribute` (or
+    `drop_remainder`) avoids it, as XLA on a TPU wants anyway.
 
     Example:
 
@@ -95,6 +107,12 @@ class ThroughputMonitor(_MonitorBase):
         self.warmup_steps = _check_int(warmup_steps, "warmup_steps", 0)
         self.batch_size = _check_optional_positive_int(batch_size, "batch_size")
         self.dataset = _check_dataset(dataset)
+        self._dataset_kind = _dataset_kind(dataset)
+        if self._dataset_kind == "arrays" and self.batch_size is None:
+            raise TypeError(
+                "`dataset` holds in-memory arrays, which have no batches of their own: pass "
+                "`batch_size=` too (the batch size given to fit), e.g. "
+                "ThroughputMonitor(dataset=(x, y), batch_size=128).")
         self.input_batches = _check_int(input_batches, "input_batches", 1)
         self.summary: dict | None = None
 
@@ -103,7 +121,7 @@ class ThroughputMonitor(_MonitorBase):
         self._batch = self.batch_size
         self._batch_source = "batch_size argument"
         if self._batch is None and self.dataset is not None:
-            self._batch = _leading_dim(self.dataset.element_spec)
+            self._batch = _dataset_batch_size(self.dataset)
             self._batch_source = "dataset's static batch dimension"
         if self._batch is None:
             # The engine owns model.train_function; it calls back with the
@@ -273,12 +291,15 @@ class ThroughputMonitor(_MonitorBase):
 
     def _measure_input(self, steps_per_sec: float) -> dict:
         try:
-            rate = measure_input_rate(self.dataset, batches=self.input_batches)
+            rate = measure_input_rate(
+                self.dataset, batches=self.input_batches,
+                batch_size=self.batch_size if self._dataset_kind == "arrays" else None)
         except Exception as err:
             self._notice("input", "ThroughputMonitor: could not time the input pipeline "
                          "(%s: %s).", type(err).__name__, err)
             return {}
-        bottleneck, sentence = input_verdict(steps_per_sec, rate.batches_per_sec)
+        bottleneck, sentence = input_verdict(steps_per_sec, rate.batches_per_sec,
+                                             kind=self._dataset_kind)
         result = {
             "input_batches_per_sec": rate.batches_per_sec,
             "input_samples_per_sec": rate.samples_per_sec,

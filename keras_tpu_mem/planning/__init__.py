@@ -41,6 +41,12 @@ from keras_tpu_mem.planning.compiled import (
     _state_key,
     compiled_memory,
 )
+from keras_tpu_mem.planning.oom import (
+    StepOutOfMemoryError,
+    explain_out_of_memory,
+    is_resource_exhausted,
+    set_oom_device,
+)
 from keras_tpu_mem.planning.planner import (
     _DEFAULT_COMPILE_BATCHES,
     _LINEARITY_TOLERANCE,
@@ -76,10 +82,12 @@ __all__ = [
     "DeviceBudget",
     "MemoryPlan",
     "Recommendation",
+    "StepOutOfMemoryError",
     "compiled_memory",
     "infer_data_specs",
     "load_model_factory",
     "model_precision",
     "plan",
     "resolve_device",
+    "set_oom_device",
 ]

@@ -549,9 +549,8 @@ def compiled_memory(model, batch_size: int, *, callbacks=None, x_spec=None, y_sp
     import keras
 
     if keras.backend.backend() == "jax":
-        # Issue 16 item 5 (jit(step).lower(...).compile().memory_analysis()) is
-        # not built yet: say so rather than fall back to anything else.
-        raise NotImplementedError(
-            "compiled_memory on the JAX backend is not implemented yet; use "
-            "KERAS_BACKEND=tensorflow for now.")
+        from keras_tpu_mem.planning.compiled_jax import JaxCompiler
+
+        return JaxCompiler(model, x_spec, y_spec).compile_global(batch_size, features,
+                                                                 hlo_text)
     return _Compiler(model, x_spec, y_spec)(batch_size, features, hlo_text)

@@ -582,10 +582,13 @@ def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accum
     per_replica = global_batch_size // replicas
     notes = []
     if keras.backend.backend() == "jax":
-        raise NotImplementedError(
-            "plan(..., callbacks=...) / plan(..., search=True) on the JAX backend is not "
-            "implemented yet; use KERAS_BACKEND=tensorflow for now.")
-    compiler = _Compiler(model, x_spec, y_spec, what="plan")
+        from keras_tpu_mem.planning.compiled_jax import JaxCompiler
+
+        # Per replica = per data-parallel shard of the active distribution;
+        # every byte count is one device's (see compiled_jax).
+        compiler = JaxCompiler(model, x_spec, y_spec, what="plan")
+    else:
+        compiler = _Compiler(model, x_spec, y_spec, what="plan")
     if compiler.copied:
         notes.append("compiled on a host copy of the model (it was built under a "
                      "tf.distribute strategy).")

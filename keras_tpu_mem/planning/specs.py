@@ -42,7 +42,12 @@ def _variable_bytes(variables) -> int:
 def _unique(variables):
     seen, out = set(), []
     for v in variables:
-        key = id(getattr(v, "value", v))
+        try:
+            key = id(getattr(v, "value", v))
+        except TypeError:
+            # A JAX fit purges the variables' values (the state is its own);
+            # its variables are distinct objects, so the variable is the key.
+            key = id(v)
         if key not in seen:
             seen.add(key)
             out.append(v)
@@ -67,9 +72,30 @@ def _is_sparse_loss(loss) -> bool:
     return any("sparse_categorical" in str(n).lower() for n in names)
 
 
-def _spec_for(tensor, batch_size: int, name: str):
+def _make_spec(shape, dtype):
+    """A static spec of the backend: `tf.TensorSpec` on TensorFlow, `jax.ShapeDtypeStruct`
+    on JAX (which has no TensorFlow); both expose `.shape` and `.dtype.name`."""
+    import keras
+
+    name = keras.backend.standardize_dtype(getattr(dtype, "name", dtype))
+    if keras.backend.backend() == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(name))
     import tensorflow as tf
 
+    return tf.TensorSpec([int(d) for d in shape], tf.as_dtype(name))
+
+
+def _is_float_dtype(dtype) -> bool:
+    import keras
+
+    name = keras.backend.standardize_dtype(getattr(dtype, "name", dtype))
+    return "float" in name
+
+
+def _spec_for(tensor, batch_size: int, name: str):
     shape = list(getattr(tensor, "shape", ()))
     dtype = getattr(tensor, "dtype", None)
     if not shape or dtype is None:
@@ -85,8 +111,7 @@ def _spec_for(tensor, batch_size: int, name: str):
             f"static shapes. Pass `{name}=tf.TensorSpec((None, ...), dtype)` with every "
             "dimension but the batch set."
         )
-    dtype = getattr(dtype, "name", dtype)
-    return tf.TensorSpec([batch_size, *[int(d) for d in rest]], tf.as_dtype(dtype))
+    return _make_spec([batch_size, *[int(d) for d in rest]], dtype)
 
 
 def _map_specs(structure, batch_size: int, name: str):
@@ -96,8 +121,6 @@ def _map_specs(structure, batch_size: int, name: str):
 
 
 def _label_spec(output, loss, batch_size: int):
-    import tensorflow as tf
-
     shape = list(output.shape)
     if any(d is None for d in shape[1:]):
         raise ValueError(
@@ -105,11 +128,11 @@ def _label_spec(output, loss, batch_size: int):
             "pass `y_spec=tf.TensorSpec(...)`."
         )
     if _is_sparse_loss(loss):
-        return tf.TensorSpec([batch_size, *[int(d) for d in shape[1:-1]]], tf.int32)
-    dtype = tf.as_dtype(getattr(output.dtype, "name", output.dtype))
-    if dtype.is_floating:
-        dtype = tf.float32  # labels come from the data, not the compute policy
-    return tf.TensorSpec([batch_size, *[int(d) for d in shape[1:]]], dtype)
+        return _make_spec([batch_size, *[int(d) for d in shape[1:-1]]], "int32")
+    dtype = output.dtype
+    if _is_float_dtype(dtype):
+        dtype = "float32"  # labels come from the data, not the compute policy
+    return _make_spec([batch_size, *[int(d) for d in shape[1:]]], dtype)
 
 
 def _symbolic(model, which: str):
