@@ -219,14 +219,7 @@ class JaxTPUStrategyWrapper(TPUStrategyWrapper):
         stats = _memory_stats(self._devices[0])
         if stats and stats.get("bytes_limit"):
             return int(stats["bytes_limit"])
-        if self.kind == "TPU":
-            try:
-                return devices.lookup_tpu(self.device_name).hbm_bytes_per_replica
-            except ValueError:
-                return None
-        if self.kind == "GPU":
-            return devices.gpu_memory_bytes(self.device_name)
-        return None
+        return super().hbm_bytes_per_replica   # the TPU table, a GPU's name
 
     # ------------------------------------------------------------------ data
     def distribute(self, dataset, global_batch_size: int, drop_remainder: bool = True):

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._compat import tensorflow as tf_compat
+from keras_tpu_mem._utils import leading_dim
 from keras_tpu_mem.engine import MICRO_BATCH_SPLIT
 from keras_tpu_mem.engine.core import StepContext, unscale_for_replicas
 
@@ -78,7 +79,7 @@ class TensorFlowStep:
 
     def global_batch_size_of_call(self, args):
         """The global batch of a train-function call `(iterator,)`, from its spec."""
-        return _leading_dim(getattr(args[0], "element_spec", None))
+        return leading_dim(getattr(args[0], "element_spec", None))
 
     # ------------------------------------------------------------ the step
     def _forward(self, x, y, sample_weight, extras, num_micro):
@@ -434,23 +435,3 @@ def _split(tensor, num_micro):
     new_shape = tf.concat([[num_micro, shape[0] // num_micro], shape[1:]], axis=0)
     # Named, so that a feature can recognise this reshape in XLA's error.
     return tf.reshape(tensor, new_shape, name=MICRO_BATCH_SPLIT)
-
-
-def _leading_dim(element) -> int | None:
-    """Samples in one (possibly per-replica) batch element or spec, or None if not static."""
-    leaf = tf.nest.flatten(element)[0] if element is not None else None
-    if leaf is None:
-        return None
-    shape = getattr(leaf, "shape", None)
-    if shape is None:
-        # A PerReplicaSpec (distributed iterator) or a PerReplica value: the
-        # global batch is the sum of the replicas' batches.
-        parts = tf_compat.per_replica_parts(leaf)
-        if not parts:
-            return None
-        sizes = [_leading_dim(part) for part in parts]
-        return None if any(s is None for s in sizes) else sum(sizes)
-    if shape.rank is None or shape.rank == 0:
-        return None
-    dim = shape[0]
-    return None if dim is None else int(dim)

@@ -6,7 +6,8 @@ import dataclasses
 import sys
 import time
 
-from keras_tpu_mem._compat import tensorflow as tf_compat
+from keras_tpu_mem._utils import flatten_structure as _flatten
+from keras_tpu_mem._utils import leading_dim as _leading_dim
 from keras_tpu_mem.monitoring._base import _check_int
 
 
@@ -28,44 +29,6 @@ class InputRate:
     batches: int
     seconds: float
     batch_size: float | None
-
-
-def _flatten(element) -> list:
-    tf = sys.modules.get("tensorflow")  # only a TensorFlow already loaded: never import it
-    if tf is not None and hasattr(tf, "nest"):
-        return tf.nest.flatten(element)
-    import keras
-
-    return keras.tree.flatten(element)
-
-
-def _leading_dim(element) -> int | None:
-    """Samples in one (possibly per-replica) batch element or spec.
-
-    Takes TensorFlow specs and tensors (`TensorShape`, unknown dimensions are
-    `None`) and arrays (numpy, JAX: a `shape` tuple) alike.
-    """
-    leaves = _flatten(element) if element is not None else []
-    leaf = leaves[0] if leaves else None
-    if leaf is None:
-        return None
-    shape = getattr(leaf, "shape", None)
-    if shape is None:
-        # A PerReplicaSpec (distributed iterator) or a PerReplica value: the
-        # global batch is the sum of the replicas' batches.
-        parts = tf_compat.per_replica_parts(leaf)
-        if not parts:
-            return None
-        sizes = [_leading_dim(part) for part in parts]
-        return None if any(s is None for s in sizes) else sum(sizes)
-    try:
-        rank = shape.rank  # tf.TensorShape
-    except AttributeError:
-        rank = len(shape)  # a tuple: numpy, JAX
-    if rank is None or rank == 0:
-        return None
-    dim = shape[0]
-    return None if dim is None else int(dim)
 
 
 def _is_tf_dataset(dataset) -> bool:
