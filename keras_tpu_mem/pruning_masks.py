@@ -53,8 +53,14 @@ def kth_largest(values, k):
     kth_largest(keras.ops.abs(kernel), 10)   # the 10th largest magnitude
     ```
     """
-    bits = ops.view(ops.cast(values, "float32"), "int32")
-    return ops.view(_kth_largest_bits(bits, k), "float32")
+    bits = _bitcast(ops.cast(values, "float32"), "int32")
+    return _bitcast(_kth_largest_bits(bits, k), "float32")
+
+
+def _bitcast(x, dtype):
+    """`ops.view` of a 4-byte dtype as another, for any rank: Keras 3.12's TensorFlow
+    `view` indexes the last dimension and fails on a scalar, so view it flat."""
+    return ops.reshape(ops.view(ops.reshape(x, (-1,)), dtype), ops.shape(x))
 
 
 def _kth_largest_bits(bits, k):
@@ -110,14 +116,14 @@ def magnitude_mask(magnitudes, sparsity):
     mask, threshold = magnitude_mask(keras.ops.abs(kernel), 0.8)  # keep 20%
     ```
     """
-    bits = ops.view(ops.cast(magnitudes, "float32"), "int32")
+    bits = _bitcast(ops.cast(magnitudes, "float32"), "int32")
     size = int(np.prod(magnitudes.shape))
     threshold = _kth_largest_bits(bits, keep_count(size, sparsity))
     # Compared as bit patterns (the order of non-negative floats), not as
     # floats: TensorFlow's CPU kernels and TPUs flush denormals to zero in float
     # compares, which would keep every 0 tied with a denormal threshold on one
     # backend and not on another. Integers compare alike everywhere.
-    return ops.greater_equal(bits, threshold), ops.view(threshold, "float32")
+    return ops.greater_equal(bits, threshold), _bitcast(threshold, "float32")
 
 
 def _block_counts(shape, block_size) -> np.ndarray:
