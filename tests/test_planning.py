@@ -470,3 +470,55 @@ def test_search_recommends_callbacks_that_fit_the_budget(small_encoder):
     # Cheapest first: every candidate before the recommendation does not fit.
     assert all(c.total_bytes > budget for c in found.candidates[:-1])
     assert found.candidates[-1] == rec
+
+
+# ------------------------------------------------ the out-of-memory explanation
+class _InjectedOOM(ktm.engine.EngineCallback):
+    """Raises TensorFlow's ResourceExhaustedError while the step is traced, once."""
+
+    name = "injected_oom"
+    armed = True
+
+    def transform_loss(self, loss, ctx):
+        if _InjectedOOM.armed:
+            _InjectedOOM.armed = False  # the explanation's own compile traces it again
+            raise tf.errors.ResourceExhaustedError(
+                None, None, "OOM when allocating tensor with shape[2048,256]")
+        return loss
+
+
+def _oom_mlp():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((256,))]
+                             + [keras.layers.Dense(256, activation="relu") for _ in range(4)]
+                             + [keras.layers.Dense(10)])
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_out_of_memory_is_explained_with_the_compiled_breakdown():
+    from keras_tpu_mem.devices import format_bytes
+    from keras_tpu_mem.planning import StepOutOfMemoryError, set_oom_device
+
+    model = _oom_mlp()
+    plain = compiled_memory(model, 2048, hlo_text=False)
+    budget = int(plain.total_bytes * 0.6)
+    x, y = np.zeros((2048, 256), "float32"), np.zeros((2048,), "int32")
+    _InjectedOOM.armed = True
+    set_oom_device(f"{budget / MIB:.3f}MiB")
+    try:
+        with pytest.raises(StepOutOfMemoryError) as info:
+            model.fit(x, y, batch_size=2048, epochs=1, verbose=0, callbacks=[_InjectedOOM()])
+    finally:
+        set_oom_device(None)
+    message = str(info.value)
+    original = info.value.__cause__ or info.value.__context__
+    assert isinstance(original, tf.errors.ResourceExhaustedError)
+    assert "global batch 2048" in message
+    assert format_bytes(info.value.plan.total_bytes) in message
+    assert "capacity" in message and format_bytes(info.value.plan.capacity_bytes) in message
+    rec = info.value.plan.recommendation
+    assert rec is not None and "GradientAccumulation(" in message
+    check = compiled_memory(_oom_mlp(), 2048, callbacks=rec.callbacks(), hlo_text=False)
+    assert check.total_bytes <= budget
