@@ -315,6 +315,17 @@ def _validate_plan_args(global_batch_size, headroom, accumulation_steps, compile
             check_positive_int(b, "compile_batches[i]")
 
 
+def _per_replica_batch(global_batch_size: int, budget_device) -> int:
+    """The per-replica batch, or a ValueError when the global batch does not split evenly."""
+    replicas = budget_device.replicas
+    if global_batch_size % replicas:
+        raise ValueError(
+            f"`global_batch_size` {global_batch_size} does not split evenly over the "
+            f"{replicas} replicas of {budget_device.name}; use a multiple of {replicas}."
+        )
+    return global_batch_size // replicas
+
+
 def plan(
     model,
     global_batch_size: int,
@@ -412,12 +423,7 @@ def plan(
     budget_device = resolve_device(device)
     wanted_precision = _normalise_precision(precision)
     replicas = budget_device.replicas
-    if global_batch_size % replicas:
-        raise ValueError(
-            f"`global_batch_size` {global_batch_size} does not split evenly over the "
-            f"{replicas} replicas of {budget_device.name}; use a multiple of {replicas}."
-        )
-    per_replica = global_batch_size // replicas
+    per_replica = _per_replica_batch(global_batch_size, budget_device)
     k = accumulation_steps or 1
     if per_replica % k:
         raise ValueError(
@@ -573,13 +579,7 @@ def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accum
         raise TypeError(f"`progress` must be None or a callable, got {progress!r}.")
     features = check_callbacks(callbacks, "plan")
     budget_device = resolve_device(device)
-    replicas = budget_device.replicas
-    if global_batch_size % replicas:
-        raise ValueError(
-            f"`global_batch_size` {global_batch_size} does not split evenly over the "
-            f"{replicas} replicas of {budget_device.name}; use a multiple of {replicas}."
-        )
-    per_replica = global_batch_size // replicas
+    per_replica = _per_replica_batch(global_batch_size, budget_device)
     notes = []
     if keras.backend.backend() == "jax":
         from keras_tpu_mem.planning.compiled_jax import JaxCompiler
