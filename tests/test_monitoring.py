@@ -14,12 +14,12 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 import time
 
 import keras
 import numpy as np
 import pytest
+import host_rss_workload
 import tensorflow as tf
 
 from keras_tpu_mem import devices
@@ -294,37 +294,12 @@ def test_small_capacity_warns_exactly_once(digits, log_records):
     assert 0 < roomy.history["hbm_utilization"][0] < 0.01
 
 
-_ONEDNN_OFF_SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["KERAS_BACKEND"] = "tensorflow"
-    import keras, numpy as np, psutil
-    import keras_tpu_mem.monitoring as mon
-    batch, log_dir = int(sys.argv[1]), sys.argv[2]
-    rng = np.random.default_rng(0)
-    x = rng.random((4096, 64), dtype=np.float32)
-    y = rng.integers(0, 10, 4096)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2048, activation="relu"),
-                              keras.layers.Dense(2048, activation="relu"),
-                              keras.layers.Dense(10)])
-    model.compile("adam", "sparse_categorical_crossentropy")
-    rss_before = psutil.Process().memory_info().rss
-    hbm = mon.HBMMonitor(log_dir)
-    history = model.fit(x, y, batch_size=batch, epochs=2, steps_per_epoch=2, verbose=0,
-                        validation_data=(x[:512], y[:512]),
-                        callbacks=[hbm, mon.ThroughputMonitor(log_dir)])
-    print("RESULT " + json.dumps({"history": history.history, "rss_before": rss_before,
-                                  "summary": hbm.summary}))
-""")
-
-
 def _fit_with_onednn_off(tmp_path, batch):
-    """Runs the script above in a fresh process with TF_ENABLE_ONEDNN_OPTS=0."""
-    script = tmp_path / "onednn_off.py"
-    script.write_text(_ONEDNN_OFF_SCRIPT)
+    """Runs tests/host_rss_workload.py in a fresh process with TF_ENABLE_ONEDNN_OPTS=0."""
     log_dir = tmp_path / f"logs{batch}"
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run([sys.executable, str(script), str(batch), str(log_dir)],
+    done = subprocess.run([sys.executable, str(host_rss_workload.__file__), "tensorflow",
+                           str(batch), str(log_dir)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -334,12 +309,11 @@ def _fit_with_onednn_off(tmp_path, batch):
 def test_host_rss_fallback_when_the_allocator_keeps_no_statistics(tmp_path):
     """TF_ENABLE_ONEDNN_OPTS=0 (AMD/AVX2's default): memory from the process's RSS, named so.
 
-    The peak grows with the batch: at 2048 rows every Dense(2048) activation
-    is 16 MiB, at 64 rows 0.5 MiB; each batch size runs in its own fresh
-    process so that neither inherits the other's memory.
+    The peak grows with the batch (tests/host_rss_workload.py says by how
+    much and why each batch size runs in a fresh process).
     """
     small, stderr, log_dir = _fit_with_onednn_off(tmp_path, 64)
-    big, _, _ = _fit_with_onednn_off(tmp_path, 2048)
+    big, _, _ = _fit_with_onednn_off(tmp_path, 4096)
 
     history = small["history"]
     # The History keys stay as they are, with host-RSS figures in them.
@@ -349,7 +323,7 @@ def test_host_rss_fallback_when_the_allocator_keeps_no_statistics(tmp_path):
     assert min(history["hbm_peak_gib"]) * devices.GIB >= 0.9 * small["rss_before"]
     peak_small = max(history["hbm_peak_gib"]) * devices.GIB
     peak_big = max(big["history"]["hbm_peak_gib"]) * devices.GIB
-    assert peak_big - peak_small > 2 * 16 * 2**20, (peak_small, peak_big)
+    assert peak_big - peak_small > host_rss_workload.activation_bytes(4096), (peak_small, peak_big)
 
     # Said once, and named in the data: summary, timeline, TensorBoard, table.
     notices = [ln for ln in stderr.splitlines() if "memory source: host RSS" in ln]

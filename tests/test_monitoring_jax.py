@@ -21,6 +21,7 @@ import time
 import jax
 import keras
 import numpy as np
+import host_rss_workload
 import pytest
 from helpers_jax import make_distribution, scope
 
@@ -81,38 +82,12 @@ def _mesh_names(distribution):
 
 
 # ---------------------------------------- host RSS floor (fresh processes)
-_HOST_SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    os.environ["KERAS_BACKEND"] = "jax"
-    import keras, numpy as np, psutil
-    import keras_tpu_mem.monitoring as mon
-    batch, log_dir = int(sys.argv[1]), sys.argv[2]
-    rng = np.random.default_rng(0)
-    x = rng.random((4096, 64), dtype=np.float32)
-    y = rng.integers(0, 10, 4096)
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2048, activation="relu"),
-                              keras.layers.Dense(2048, activation="relu"),
-                              keras.layers.Dense(10)])
-    model.compile("adam", "sparse_categorical_crossentropy")
-    rss_before = psutil.Process().memory_info().rss
-    hbm = mon.HBMMonitor(log_dir)
-    history = model.fit(x, y, batch_size=batch, epochs=2, steps_per_epoch=2, verbose=0,
-                        validation_data=(x[:512], y[:512]),
-                        callbacks=[hbm, mon.ThroughputMonitor(log_dir)])
-    print("RESULT " + json.dumps({"history": history.history, "rss_before": rss_before,
-                                  "summary": hbm.summary,
-                                  "tensorflow": "tensorflow" in sys.modules,
-                                  "devices": len(__import__("jax").devices())}))
-""")
-
-
 def _fit_in_fresh_process(tmp_path, batch):
-    script = tmp_path / "host_rss_jax.py"
-    script.write_text(_HOST_SCRIPT)
+    """Runs tests/host_rss_workload.py on JAX in a fresh process."""
     log_dir = tmp_path / f"logs{batch}"
     env = dict(os.environ, KERAS_BACKEND="jax")
-    done = subprocess.run([sys.executable, str(script), str(batch), str(log_dir)],
+    done = subprocess.run([sys.executable, str(host_rss_workload.__file__), "jax",
+                           str(batch), str(log_dir)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -122,12 +97,11 @@ def _fit_in_fresh_process(tmp_path, batch):
 def test_host_rss_on_jax_cpu_every_epoch_and_growing_with_the_batch(tmp_path):
     """JAX's CPU devices keep no statistics: the process's RSS, named so, every epoch.
 
-    Each batch size runs in its own fresh process, so the high-water mark of
-    one cannot hide the other. At 2048 rows every Dense(2048) activation is
-    16 MiB; at 64 rows 0.5 MiB.
+    The peak grows with the batch (tests/host_rss_workload.py says by how
+    much and why each batch size runs in a fresh process).
     """
     small, stderr, log_dir = _fit_in_fresh_process(tmp_path, 64)
-    big, _, _ = _fit_in_fresh_process(tmp_path, 2048)
+    big, _, _ = _fit_in_fresh_process(tmp_path, 4096)
     assert small["tensorflow"] is False and big["tensorflow"] is False
 
     history = small["history"]
@@ -138,7 +112,7 @@ def test_host_rss_on_jax_cpu_every_epoch_and_growing_with_the_batch(tmp_path):
     assert min(history["hbm_peak_gib"]) * devices.GIB >= 0.9 * small["rss_before"]
     peak_small = max(history["hbm_peak_gib"]) * devices.GIB
     peak_big = max(big["history"]["hbm_peak_gib"]) * devices.GIB
-    assert peak_big - peak_small > 2 * 16 * 2**20, (peak_small, peak_big)
+    assert peak_big - peak_small > host_rss_workload.activation_bytes(4096), (peak_small, peak_big)
 
     # Said once, and named in the data: summary, timeline, TensorBoard, table.
     notices = [ln for ln in stderr.splitlines() if "memory source: host RSS" in ln]

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 
+import host_rss_workload
 import keras
 import pytest
 import tensorflow as tf
@@ -281,21 +282,15 @@ def test_sweep_shows_progress_per_batch_size_and_keeps_framework_noise_out(digit
 
 
 _ONEDNN_OFF_SWEEP = """
-import json, os
+import json, os, sys
 os.environ["KERAS_BACKEND"] = "tensorflow"
-import keras, numpy as np, tensorflow as tf
+sys.path.insert(0, sys.argv[1])
+import keras, tensorflow as tf
+from host_rss_workload import wide_data, wide_model
 from keras_tpu_mem import batch_size_sweep
-rng = np.random.default_rng(0)
-x = rng.random((4096, 64), dtype=np.float32); y = rng.integers(0, 10, 4096)
-
-def build():
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2048, activation="relu"),
-                              keras.layers.Dense(2048, activation="relu"), keras.layers.Dense(10)])
-    model.compile("adam", "sparse_categorical_crossentropy")
-    return model
-
-result = batch_size_sweep(build, lambda b: tf.data.Dataset.from_tensor_slices((x, y)).batch(
-    b, drop_remainder=True), [32, 2048], steps=3, verbose=0)
+x, y = wide_data()
+result = batch_size_sweep(lambda: wide_model(keras), lambda b: tf.data.Dataset.from_tensor_slices(
+    (x, y)).batch(b, drop_remainder=True), [32, 4096], steps=3, verbose=0)
 print("RESULT " + json.dumps([[r.batch_size, r.peak_bytes, r.memory_source, r.status]
                               for r in result.rows]))
 print("TABLE " + json.dumps(result.table()))
@@ -305,18 +300,19 @@ print("TABLE " + json.dumps(result.table()))
 def test_sweep_falls_back_to_host_rss_with_onednn_off():
     """TF_ENABLE_ONEDNN_OPTS=0 (AMD/AVX2's default): the peaks are the process's RSS."""
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run([sys.executable, "-c", _ONEDNN_OFF_SWEEP], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _ONEDNN_OFF_SWEEP,
+                           os.path.dirname(host_rss_workload.__file__)], capture_output=True,
                           text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = {ln.split(" ", 1)[0]: json.loads(ln.split(" ", 1)[1])
              for ln in done.stdout.splitlines() if ln.startswith(("RESULT ", "TABLE "))}
     (small, peak_small, source_small, ok_small), (big, peak_big, source_big, ok_big) = \
         lines["RESULT"]
-    assert (small, big, ok_small, ok_big) == (32, 2048, "ok", "ok")
+    assert (small, big, ok_small, ok_big) == (32, 4096, "ok", "ok")
     assert source_small == source_big == "host_rss"
     assert peak_small > 50 * 2**20
-    # At 2048 rows each Dense(2048) activation is 16 MiB (0.25 MiB at 32): two of them at least.
-    assert peak_big - peak_small > 2 * 16 * 2**20, (peak_small, peak_big)
+    # One Dense(8192) activation at 4096 rows at least (host_rss_workload.py says why).
+    assert peak_big - peak_small > host_rss_workload.activation_bytes(4096), (peak_small, peak_big)
     assert "host_rss" in lines["TABLE"] and "not HBM" in lines["TABLE"]
     notices = [ln for ln in done.stderr.splitlines() if "host RSS of the whole process" in ln]
     assert len(notices) == 1, done.stderr[-2000:]
