@@ -1,11 +1,14 @@
 """One process of a localhost JAX cluster, for `test_multiprocess_jax.py` (not a test).
 
-`python multiprocess_worker_jax.py PROCESS_ID NUM_PROCESSES DEVICES PORT OUT.npz`
+`python multiprocess_worker_jax.py PROCESS_ID NUM_PROCESSES DEVICES PORT OUT.npz FEATURES`
 
-Trains the same model on the same global batches with
-`GradientAccumulation(4)` under `DataParallel` over every device of the
-cluster (`NUM_PROCESSES` x `DEVICES` host CPU devices; gloo CPU collectives
-between processes) and writes the final weights and update count to `OUT.npz`.
+Trains the same model on the same global batches under `DataParallel` over
+every device of the cluster (`NUM_PROCESSES` x `DEVICES` host CPU devices;
+gloo CPU collectives between processes) with the callbacks FEATURES names —
+`accumulation`: `GradientAccumulation(4)`; `prune_distill`: `Pruning`
+(ConstantSparsity 0.5, masks recomputed every 2 updates) and `Distillation`
+from a live teacher that is sharded by the same distribution — and writes the
+final weights and update count to `OUT.npz`.
 Each process feeds its own slice of every global batch
 (`auto_shard_dataset=False`), as on a multi-host TPU slice.
 """
@@ -19,7 +22,23 @@ GLOBAL_BATCH = 32
 UPDATES = 5
 
 
-def main(process_id: int, num_processes: int, devices: int, port: int, out: str) -> None:
+def _callbacks(features: str, keras, np):
+    import keras_tpu_mem as ktm
+
+    if features == "accumulation":
+        return [ktm.GradientAccumulation(4)]
+    if features == "prune_distill":
+        keras.utils.set_random_seed(7)  # the teacher: its own fixed weights
+        teacher = keras.Sequential([keras.Input((16,)),
+                                    keras.layers.Dense(64, activation="relu"),
+                                    keras.layers.Dense(8)])
+        return [ktm.Pruning(ktm.ConstantSparsity(0.5, begin_step=0, frequency=2)),
+                ktm.Distillation(teacher, temperature=2.0, alpha=0.5)]
+    raise ValueError(f"FEATURES must be 'accumulation' or 'prune_distill', got {features!r}")
+
+
+def main(process_id: int, num_processes: int, devices: int, port: int, out: str,
+         features: str) -> None:
     # Before JAX starts: this process's device count (the parent test runs
     # with 8), and XLA:CPU's pool size (see tests/conftest.py for why).
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -35,8 +54,6 @@ def main(process_id: int, num_processes: int, devices: int, port: int, out: str)
     if num_processes > 1:
         keras.distribution.initialize(job_addresses=f"127.0.0.1:{port}",
                                       num_processes=num_processes, process_id=process_id)
-    from keras_tpu_mem.accumulation import GradientAccumulation
-
     rng = np.random.default_rng(0)
     x = rng.normal(size=(UPDATES * GLOBAL_BATCH, 16)).astype("float32")
     y = rng.integers(0, 8, UPDATES * GLOBAL_BATCH).astype("int32")
@@ -46,17 +63,18 @@ def main(process_id: int, num_processes: int, devices: int, port: int, out: str)
                                      step * GLOBAL_BATCH + (process_id + 1) * local)
                            for step in range(UPDATES)])
 
-    keras.utils.set_random_seed(1)
     distribution = keras.distribution.DataParallel(devices=jax.devices(),
                                                    auto_shard_dataset=False)
     with distribution.scope():
+        callbacks = _callbacks(features, keras, np)
+        keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((16,)),
                                   keras.layers.Dense(32, activation="relu"),
                                   keras.layers.Dense(8)])
         model.compile(optimizer=keras.optimizers.Adam(1e-2),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x[rows], y[rows], batch_size=local, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[GradientAccumulation(4)])
+                  callbacks=callbacks)
     # Replicated weights: this process's first device holds a full copy.
     weights = [np.asarray(v.value.addressable_data(0)) for v in model.weights]
     np.savez(out, *weights, iterations=int(np.asarray(
@@ -66,4 +84,4 @@ def main(process_id: int, num_processes: int, devices: int, port: int, out: str)
 
 if __name__ == "__main__":
     pid, count, devices, port = (int(a) for a in sys.argv[1:5])
-    main(pid, count, devices, port, sys.argv[5])
+    main(pid, count, devices, port, sys.argv[5], sys.argv[6])

@@ -1,5 +1,6 @@
 """Two processes x 2 devices on localhost (`keras.distribution.initialize`, gloo CPU
-collectives) against one process x 4 devices, with GradientAccumulation(4)."""
+collectives) against one process x 4 devices: with GradientAccumulation(4), and with
+Pruning and a live-teacher Distillation together."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _cluster(tmp_path, num_processes, devices):
+def _cluster(tmp_path, num_processes, devices, features="accumulation"):
     port = _free_port()
     outs = [tmp_path / f"p{num_processes}_{i}.npz" for i in range(num_processes)]
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     logs = [open(tmp_path / f"p{num_processes}_{i}.log", "w") for i in range(num_processes)]
     processes = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(num_processes),
-                                   str(devices), str(port), str(out)],
+                                   str(devices), str(port), str(out), features],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
                  for i, (out, log) in enumerate(zip(outs, logs))]
     try:
@@ -68,3 +69,18 @@ def test_two_processes_give_the_weights_of_one_process_with_the_same_devices(tmp
     assert single["iterations"] == 5 and all(r["iterations"] == 5 for r in pair)
     assert _max_diff(pair[0]["weights"], pair[1]["weights"]) == 0.0
     assert _max_diff(pair[0]["weights"], single["weights"]) <= 1e-5
+
+
+def test_two_processes_prune_and_distill_like_one_process(tmp_path):
+    """Pruning + Distillation over `jax.distributed`: the weights of one process x 4
+    devices (1e-5), every kernel at the schedule's 0.5 sparsity on every process."""
+    single = _cluster(tmp_path, 1, 4, "prune_distill")[0]
+    pair = _cluster(tmp_path, 2, 2, "prune_distill")
+    assert single["iterations"] == 5 and all(r["iterations"] == 5 for r in pair)
+    assert _max_diff(pair[0]["weights"], pair[1]["weights"]) == 0.0
+    assert _max_diff(pair[0]["weights"], single["weights"]) <= 1e-5
+    for result in (single, *pair):
+        kernels = [w for w in result["weights"] if w.ndim == 2]
+        assert len(kernels) == 2
+        for kernel in kernels:
+            assert abs(float(np.mean(kernel == 0)) - 0.5) <= 0.01, float(np.mean(kernel == 0))
