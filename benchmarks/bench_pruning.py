@@ -1,4 +1,4 @@
-"""Pruning step time: ktm.Pruning vs plain Keras fit vs tfmot's prune_low_magnitude.
+"""Pruning step time: ktm.Pruning vs plain Keras fit vs tfmot's prune_low_magnitude, on TF and JAX.
 
 One run measures, side by side, the fit step time of an MLP with Adam and
 `PolynomialDecay(0.0, 0.8, begin_step=0, end_step=<all steps>, frequency=100)`
@@ -16,7 +16,11 @@ Configurations, in pairs, each pair in its own subprocess:
 * tf_keras (TF_USE_LEGACY_KERAS=1; tfmot refuses Keras 3 models): `tf_keras`
             plain `fit`, dense, and `tfmot`  `fit` of
             `tfmot.sparsity.keras.prune_low_magnitude(model)` with
-            `UpdatePruningStep`.
+            `UpdatePruningStep`;
+* Keras 3 on JAX (KERAS_BACKEND=jax, no distribution): `keras_jax` plain
+            `fit`, dense, and `ktm_jax` `fit` with `ktm.Pruning` (the masks
+            applied inside the jitted step). JAX always compiles with XLA, so
+            `8jit` is the same as `8` there.
 
 Within a subprocess both models of the pair are built, each fits one warm-up
 epoch (tracing, compiling), then they take turns, one epoch each (`fit` called
@@ -31,6 +35,7 @@ of its own Keras (tf_keras' dense step is faster than Keras 3's here).
 
 Run:  python benchmarks/bench_pruning.py [--model digits|large] [--reps 3]
                                          [--rounds 10] [--settings 1,8,8jit]
+                                         [--pairs keras3,legacy,jax]
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ import subprocess
 import sys
 import time
 
-PAIRS = {"keras3": ("keras", "ktm"), "legacy": ("tf_keras", "tfmot")}
-MODES = ("keras", "ktm", "tf_keras", "tfmot")
+PAIRS = {"keras3": ("keras", "ktm"), "legacy": ("tf_keras", "tfmot"),
+         "jax": ("keras_jax", "ktm_jax")}
 MODELS = {"digits": {"inputs": 64, "hidden": 256, "batch": 32},
           "large": {"inputs": 784, "hidden": 2048, "batch": 256}}
 
@@ -74,11 +79,12 @@ def worker(pair: str, rounds: int, spe: int, jit: bool, model_name: str) -> dict
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
         import tf_keras as keras
     else:
-        os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+        os.environ["KERAS_BACKEND"] = "jax" if pair == "jax" else "tensorflow"
         import keras
     import numpy as np
-    import tensorflow as tf
 
+    if pair == "jax":
+        jit = True  # jit_compile=False on JAX runs the step op by op (a debugging mode)
     spec = MODELS[model_name]
     batch = spec["batch"]
     x, y = _data(spec)
@@ -101,7 +107,7 @@ def worker(pair: str, rounds: int, spe: int, jit: bool, model_name: str) -> dict
                 0.0, 0.8, begin_step=0, end_step=end_step, frequency=frequency)
             model = tfmot.sparsity.keras.prune_low_magnitude(model, pruning_schedule=schedule)
             callbacks.append(tfmot.sparsity.keras.UpdatePruningStep())
-        elif mode == "ktm":
+        elif mode in ("ktm", "ktm_jax"):
             from keras_tpu_mem.pruning import PolynomialDecay, Pruning
 
             callbacks.append(Pruning(PolynomialDecay(0.0, 0.8, begin_step=0,
@@ -139,7 +145,15 @@ def worker(pair: str, rounds: int, spe: int, jit: bool, model_name: str) -> dict
         order.reverse()
 
     row = {"pair": pair, "model": model_name, "spe": spe, "jit": jit, "rounds": rounds,
-           "tf": tf.__version__, "keras": keras.__version__}
+           "keras": keras.__version__}
+    if pair == "jax":
+        import jax
+
+        row["jax"] = jax.__version__
+    else:
+        import tensorflow as tf
+
+        row["tf"] = tf.__version__
     for mode, (model, _, timer) in runs.items():
         kernels = [w for w in model.trainable_weights
                    if "kernel" in (w.name if legacy else w.path)]
@@ -151,7 +165,8 @@ def worker(pair: str, rounds: int, spe: int, jit: bool, model_name: str) -> dict
 def run_worker(pair: str, rounds: int, setting: str, model_name: str) -> dict:
     env = dict(os.environ)
     env.pop("TF_USE_LEGACY_KERAS", None)
-    env["KERAS_BACKEND"] = "tensorflow"
+    env["KERAS_BACKEND"] = "jax" if pair == "jax" else "tensorflow"
+    env.setdefault("NPROC", "16")  # XLA:CPU's pool size (see tests/conftest.py)
     command = [sys.executable, __file__, "--worker", pair, "--rounds", str(rounds),
                "--settings", setting, "--model", model_name]
     out = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -175,6 +190,8 @@ def main():
     parser.add_argument("--settings", default="1,8,8jit",
                         help="steps_per_execution values; suffix 'jit' for jit_compile=True")
     parser.add_argument("--model", choices=sorted(MODELS), default="digits")
+    parser.add_argument("--pairs", default="keras3,legacy,jax",
+                        help="which pairs to run, of " + ",".join(PAIRS))
     parser.add_argument("--worker", choices=sorted(PAIRS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     settings = str(args.settings).split(",")
@@ -184,10 +201,14 @@ def main():
         print("RESULT " + json.dumps(row), flush=True)
         return
 
-    rows = {(setting, pair): [] for setting in settings for pair in PAIRS}
+    pairs = str(args.pairs).split(",")
+    unknown = sorted(set(pairs) - set(PAIRS))
+    if unknown:
+        parser.error(f"--pairs: unknown {unknown}; choose among {','.join(PAIRS)}")
+    rows = {(setting, pair): [] for setting in settings for pair in pairs}
     for rep in range(args.reps):
         for setting in settings:
-            for pair in (sorted(PAIRS) if rep % 2 == 0 else sorted(PAIRS, reverse=True)):
+            for pair in (sorted(pairs) if rep % 2 == 0 else sorted(pairs, reverse=True)):
                 row = run_worker(pair, args.rounds, setting, args.model)
                 rows[(setting, pair)].append(row)
                 if "error" in row:
@@ -219,20 +240,23 @@ def main():
     print(f"\n{args.model}: ms per step, medians of {rounds} turns per configuration "
           f"({args.reps} processes x {args.rounds} rounds); ratios: median of the rounds' "
           "ratios")
-    print("| ms per step | keras | ktm | **ktm / keras** | tf_keras | tfmot "
-          "| **tfmot / tf_keras** |")
-    print("|---|---|---|---|---|---|---|")
+    header = " | ".join(f"{d} | {p} | **{p} / {d}**" for d, p in (PAIRS[q] for q in pairs))
+    print(f"| ms per step | {header} |")
+    print("|---|" + "---|" * (3 * len(pairs)))
     for key, what in (("wall", "wall"), ("cpu", "CPU")):
         for setting in settings:
             spe, jit = _parse_setting(setting)
             label = f"{what}, steps_per_execution={spe}" + (", jit_compile" if jit else "")
-            med = {mode: median(pooled(setting, mode, key)) for mode in MODES}
-            print(f"| {label} | {med['keras']:.3f} | {med['ktm']:.3f} | "
-                  f"**{ratio(setting, 'keras3', key):.2f}** | {med['tf_keras']:.3f} | "
-                  f"{med['tfmot']:.3f} | **{ratio(setting, 'legacy', key):.2f}** |")
+            cells = []
+            for pair in pairs:
+                dense, pruned = PAIRS[pair]
+                cells.append(f"{median(pooled(setting, dense, key)):.3f} | "
+                             f"{median(pooled(setting, pruned, key)):.3f} | "
+                             f"**{ratio(setting, pair, key):.2f}**")
+            print(f"| {label} | " + " | ".join(cells) + " |")
     sparsity = {mode: median([row[mode]["kernel_sparsity"] for row in rows[(settings[0], pair)]
                               if mode in row])
-                for pair, modes in PAIRS.items() for mode in modes}
+                for pair in pairs for mode in PAIRS[pair]}
     print("\nfinal kernel sparsity:", ", ".join(f"{m} {v:.3f}" for m, v in sparsity.items()))
 
 

@@ -416,6 +416,7 @@ class Pruning(EngineCallback):
         self._needs_sync = False
         self._deferred = False
         self._started_fn = None
+        self._host_schedule_fn = None  # JAX: the schedule as one jitted function
         self._announced = False
 
     # ------------------------------------------------------------ config
@@ -715,9 +716,18 @@ class Pruning(EngineCallback):
                 step = min(step, self.schedule.end_step)
         structured = self.m_by_n is not None
         if _on_jax():
-            # On the host, step by step (our schedules: at most two steps).
+            # On the host, step by step (our schedules: at most two steps). Our
+            # schedules as one jitted function: one compile, where each of their
+            # ~20 ops run eagerly compiles on its own (a second on a first resume).
+            schedule_fn = self._schedule
+            if type(self.schedule) in _OWN_SCHEDULES:
+                if self._host_schedule_fn is None:
+                    import jax
+
+                    self._host_schedule_fn = jax.jit(self._schedule)
+                schedule_fn = self._host_schedule_fn
             for s in range(first, step + 1, stride):
-                should, sparsity = self._schedule(np.int32(s))
+                should, sparsity = schedule_fn(np.int32(s))
                 if bool(should) and (structured or float(sparsity) > 0):
                     return True
             return False
@@ -803,8 +813,14 @@ def _like(variable, value):
     import jax
 
     current = variable.value
-    array = np.broadcast_to(np.asarray(value, dtype=bool), tuple(current.shape))
-    return jax.device_put(np.ascontiguousarray(array), current.sharding)
+    array = np.ascontiguousarray(
+        np.broadcast_to(np.asarray(value, dtype=bool), tuple(current.shape)))
+    if keras.distribution.distribution() is None:
+        # Uncommitted, like Keras' own state without a distribution: a committed
+        # mask would commit every output of the step, and the next fit's step
+        # (same shapes, now committed arguments) would compile a second time.
+        return jax.numpy.asarray(array)
+    return jax.device_put(array, current.sharding)
 
 
 def _event_writer_class():

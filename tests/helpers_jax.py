@@ -76,6 +76,34 @@ def make_distribution(case: str, output_layouts=None):
     raise ValueError(f"unknown case {case!r}")
 
 
+@contextlib.contextmanager
+def compiled_function_names():
+    """Yields a list that collects the name of every function XLA compiles meanwhile.
+
+    `jax.log_compiles()` (public) logs "Compiling jit(NAME) ..." once per
+    backend compile, a cache hit logs nothing; the names are read from those
+    records.
+    """
+    import logging
+
+    names: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            found = re.match(r"Compiling (?:jit|pjit)\((\w+)\)", record.getMessage())
+            if found:
+                names.append(found.group(1))
+
+    handler = Collect(level=logging.DEBUG)
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles():
+            yield names
+    finally:
+        logger.removeHandler(handler)
+
+
 def scope(distribution):
     return distribution.scope() if distribution is not None else contextlib.nullcontext()
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from helpers_jax import (
     RecordingDense,
+    compiled_function_names,
     compiled_text,
     make_distribution,
     max_abs_diff,
@@ -225,6 +226,40 @@ def test_jitted_step_keeps_its_features_after_fit():
     # A new batch size, so that JAX traces the step again (64 / 4 = 16).
     compiled_text(model, (np.concatenate([x, x]), np.concatenate([y, y])))
     assert {batch for batch, _ in RecordingDense.seen} == {16}
+
+
+def _features(name):
+    from keras_tpu_mem.distillation import Distillation
+    from keras_tpu_mem.precision import MixedBFloat16
+    from keras_tpu_mem.pruning import ConstantSparsity, Pruning
+
+    if name == "pruning":
+        return [Pruning(ConstantSparsity(0.5, begin_step=0, frequency=2))]
+    if name == "accumulation":
+        return [GradientAccumulation(4)]
+    if name == "bf16":
+        return [MixedBFloat16()]
+    return [Distillation(mlp(seed=5, recording=False))]
+
+
+@pytest.mark.parametrize("case", ["none", "dp8"])
+@pytest.mark.parametrize("features", ["pruning", "accumulation", "bf16", "distillation"])
+def test_a_second_fit_compiles_the_step_no_second_time(case, features):
+    """The step compiles once for all fits of the same shapes, as Keras' own does.
+
+    (A pruning mask placed on a device, committed, while Keras' state is not
+    made every output of the step committed, and the next fit compiled the
+    same step again for committed arguments: a second compile per notebook.)
+    """
+    x, y = toy_data(64)
+    distribution = make_distribution(case)
+    with scope(distribution):
+        model = _compiled(mlp(recording=False))
+        callbacks = _features(features)
+        with compiled_function_names() as names:
+            for _ in range(3):
+                model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks)
+    assert names.count("_step") == 1, names
 
 
 class ReadsModelWhileTraced(EngineCallback):
