@@ -34,3 +34,9 @@ def test_colab_notebook_runs_on_cpu(tmp_path):
     updates = int(re.search(r"optimizer updates: (\d+)", text).group(1))
     assert updates == 12 * (1437 // 128)     # one update per global batch, 12 epochs
     assert (tmp_path / "logs").is_dir()
+    pruned = re.search(r"pruned: kernel sparsity (\d\.\d+), validation accuracy (\d\.\d+)", text)
+    assert abs(float(pruned.group(1)) - 0.8) <= 0.01
+    assert float(pruned.group(2)) > 0.9
+    student = float(re.search(r"student: \d+ parameters .* validation accuracy (\d\.\d+)",
+                              text).group(1))
+    assert student > 0.85
