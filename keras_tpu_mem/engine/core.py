@@ -521,10 +521,14 @@ class EngineCallback(keras.callbacks.Callback, Feature):
 
     def set_model(self, model):
         super().set_model(model)
+        # Our own reference: Keras' `model` property syncs the JAX training
+        # state into the variables on every read, which per batch costs time.
+        self._engine_model = model
         Engine.attach(model).register(self)
 
     def on_train_batch_begin(self, batch, logs=None):
-        Engine.attach(self.model).note_batch_begin(batch, (self.params or {}).get("steps"))
+        Engine.attach(self._engine_model).note_batch_begin(batch,
+                                                          (self.params or {}).get("steps"))
 
     def on_train_end(self, logs=None):
         Engine.attach(self.model).release(self)
