@@ -226,3 +226,41 @@ def test_register_rejects_non_features():
         Engine.attach(model).register(object())
     with pytest.raises(TypeError, match="keras.Model"):
         Engine.attach(object())
+
+
+class FailsInStep(EngineCallback):
+    """A loss term whose trace raises: a step that fails before it ever runs."""
+
+    name = "fails_in_step"
+    backends = ("tensorflow", "jax")
+
+    def transform_loss(self, loss, ctx):
+        raise RuntimeError("injected step failure")
+
+
+def test_a_failed_step_ends_the_fit_and_takes_its_features_off():
+    """Keras never calls on_train_end after a step's error: the engine takes the fit's
+    features off itself, so the model plans and fits again right away."""
+    from keras_tpu_mem import compiled_memory
+
+    x, y = toy_data(64)
+
+    def compiled():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=sparse_ce())
+        return model
+
+    model = compiled()
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+                  callbacks=[GradientAccumulation(4), FailsInStep()])
+    assert Engine.attach(model).features == []
+    # Before: "The model is inside a fit with keras_tpu_mem features".
+    planned = compiled_memory(model, 32, callbacks=[GradientAccumulation(2)], hlo_text=False)
+    assert planned.micro_batches == 2
+    # The next fit is Keras' own step: the weights of a twin that never failed.
+    twin = compiled()
+    for m in (model, twin):
+        m.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    assert max_abs_diff(model.get_weights(), twin.get_weights()) <= 1e-6
+    assert int(model.optimizer.iterations.numpy()) == 4

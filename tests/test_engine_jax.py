@@ -308,3 +308,40 @@ def test_frozen_and_batch_norm_state_under_shard_map():
     np.testing.assert_array_equal(np.asarray(frozen.kernel.value), kernel)
     after = np.asarray(model.layers[1].moving_mean.value)
     assert np.all(np.isfinite(after)) and not np.allclose(after, moving_mean)
+
+
+class FailsInStep(EngineCallback):
+    """A loss term whose trace raises: a step that fails before it ever runs."""
+
+    name = "fails_in_step"
+    backends = ("tensorflow", "jax")
+
+    def transform_loss(self, loss, ctx):
+        raise RuntimeError("injected step failure")
+
+
+@pytest.mark.parametrize("case", ["none", "dp8"])
+def test_a_failed_step_ends_the_fit_and_takes_its_features_off(case):
+    """Keras never calls on_train_end after a step's error: the engine takes the fit's
+    features off itself, so the model plans and fits again right away, with its weights
+    (not the emptied variables of an interrupted JAX fit)."""
+    from keras_tpu_mem import compiled_memory
+
+    x, y = toy_data(64)
+    distribution = make_distribution(case)
+    with scope(distribution):
+        model = _compiled(mlp(recording=False))
+        with pytest.raises(RuntimeError, match="injected step failure"):
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+                      callbacks=[GradientAccumulation(4), FailsInStep()])
+        assert Engine.attach(model).features == []
+        # Before: "The model is inside a fit with keras_tpu_mem features".
+        planned = compiled_memory(model, 32, callbacks=[GradientAccumulation(2)],
+                                  hlo_text=False)
+        assert planned.micro_batches == 2
+        # The next fit is Keras' own step: the weights of a twin that never failed.
+        twin = _compiled(mlp(recording=False))
+        for m in (model, twin):
+            m.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    assert max_abs_diff(model.get_weights(), twin.get_weights()) <= 1e-6
+    assert int(np.asarray(model.optimizer.iterations.value)) == 4

@@ -439,35 +439,47 @@ class Engine:
         return self._window_position
 
     def explain(self, error: Exception) -> Exception | None:
-        """The first feature's clearer exception for a step error, or None."""
-        for feature in self.features:
+        """A clearer exception for an error of the step, or None; ends the fit.
+
+        An error out of the step ends the `fit` (Keras catches only the end of
+        the data, which is passed through untouched), and `on_train_end` never
+        runs: the fit's features are taken off here as they would be there, so
+        that right after the error the model can be planned
+        (`ktm.compiled_memory`, `ktm.plan`), compiled or fit again.
+        """
+        if _is_end_of_data(error):
+            return None
+        features = list(self.features)
+        self.end_failed_fit()
+        for feature in features:
             clearer = feature.explain_error(error)
             if clearer is not None:
                 return clearer
-        return self._explain_out_of_memory(error)
+        return self._explain_out_of_memory(error, features)
 
-    def _explain_out_of_memory(self, error: Exception) -> Exception | None:
+    def end_failed_fit(self) -> None:
+        """Takes off the features of a fit that an error ended (see `explain`).
+
+        `_installed` stays set, so the next `fit` builds its train function anew
+        (Keras' own step without features) instead of reusing this one.
+        """
+        for feature in reversed(list(self.features)):
+            try:
+                self._uninstall(feature)
+            except Exception as err:  # the step's own error is the one to raise
+                logger.debug("uninstalling %s after a failed fit: %s", feature.name, err)
+        self.features = []
+
+    def _explain_out_of_memory(self, error: Exception, features) -> Exception | None:
         """For RESOURCE_EXHAUSTED: the compiled breakdown and the smallest change that
-        fits (`planning.oom`), else None."""
+        fits (`planning.oom`), else None. `features`: those of the failed fit, already
+        taken off the model (the explanation compiles the step again with them)."""
         from keras_tpu_mem.planning import oom
 
-        if not self.features or not oom.is_resource_exhausted(error):
+        if not features or not oom.is_resource_exhausted(error):
             return None
-        # The explanation compiles this step again (symbolically) through
-        # `compile_context`, which refuses to run inside a fit: take the fit's
-        # features off for its duration and put them back as they were.
-        features, installed = list(self.features), self._installed
-        for feature in reversed(features):
-            feature.uninstall(self.model)
-        self._installed = False
-        try:
-            return oom.explain_out_of_memory(self.model, features,
-                                             self.last_global_batch_size, error)
-        finally:
-            self.features = features
-            for feature in features:
-                feature.install(self.model)
-            self._installed = installed
+        return oom.explain_out_of_memory(self.model, features, self.last_global_batch_size,
+                                         error)
 
     def steps_for_this_call(self) -> int | None:
         """Steps the next call runs; None when the epoch's length is unknown."""
@@ -480,6 +492,12 @@ class Engine:
             return None
         # The last call of an epoch runs the remainder (9 steps, N=4: 4, 4, 1).
         return max(1, min(spe, total - begin))
+
+
+def _is_end_of_data(error: Exception) -> bool:
+    """StopIteration (JAX, PyDataset) or TensorFlow's OutOfRangeError: Keras' loop ends
+    the epoch on them; they are not failures."""
+    return isinstance(error, StopIteration) or type(error).__name__ == "OutOfRangeError"
 
 
 def _same_key(a, b) -> bool:

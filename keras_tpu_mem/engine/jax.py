@@ -95,6 +95,33 @@ def _leading_dim(structure) -> int | None:
     return None
 
 
+def _restore_variables(model, state) -> bool:
+    """Writes a train-function state `(trainable, non_trainable, optimizer, metrics)`
+    back into the model's variables; False (and a warning) where the step's donation
+    already freed it (an error while the step ran on the device)."""
+    groups = (model.trainable_variables, model.non_trainable_variables,
+              model.optimizer.variables, model.metrics_variables)
+    try:
+        pairs = [(v, value) for variables, values in zip(groups, state)
+                 for v, value in zip(variables, values)]
+        if any(getattr(value, "is_deleted", lambda: False)() for _, value in pairs):
+            from keras_tpu_mem._utils import logger
+
+            logger.warning("The failed step had already consumed the training state on the "
+                           "device (its buffers are donated), and Keras' fit keeps no other "
+                           "copy: the model's variables hold no values now. Load the last "
+                           "checkpoint (BackupAndRestore resumes from it) before using it.")
+            return False
+        for variable, value in pairs:
+            variable.assign(value)
+    except Exception as err:  # the step's own error is the one to raise
+        from keras_tpu_mem._utils import logger
+
+        logger.debug("could not restore the variables after a failed step: %s", err)
+        return False
+    return True
+
+
 def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
@@ -472,6 +499,7 @@ class JaxStep:
             # state from them next step, dropping this call's updates: the
             # flag is put back as it was.
             synced = jax_compat.state_synced(model)
+            given = state
             try:
                 logs, state = step(state, next(iterator))
                 for _ in range(count - 1):
@@ -483,6 +511,10 @@ class JaxStep:
             except StopIteration:
                 raise
             except Exception as error:
+                # Keras' fit took the values out of the variables for the loop
+                # and puts them back only after a clean epoch: give them back
+                # the state this call started from, where it is still alive.
+                _restore_variables(model, given)
                 clearer = engine.explain(error)
                 if clearer is not None:
                     raise clearer from error

@@ -340,7 +340,7 @@ class TensorFlowStep:
                 )
             try:
                 logs = compiled(shape)(iterator)
-            except tf.errors.OpError as error:
+            except Exception as error:  # an OpError, or one raised while tracing
                 clearer = engine.explain(error)
                 if clearer is not None:
                     raise clearer from error
@@ -390,7 +390,7 @@ class TensorFlowStep:
         def train_function(iterator):
             try:
                 return run_steps(iterator)
-            except tf.errors.OpError as error:
+            except Exception as error:  # an OpError, or one raised while tracing
                 clearer = self.engine.explain(error)
                 if clearer is not None:
                     raise clearer from error
