@@ -13,6 +13,15 @@ slices and on one 12 GiB GPU.
     python examples/bert_memory.py                  # the full model (a few minutes)
     python examples/bert_memory.py --layers 2       # a quick run
     python examples/bert_memory.py --compile-bf16   # also compile a bf16 model
+    python examples/bert_memory.py --backend jax --compile-bf16   # the same from JAX
+
+On JAX (`--backend jax`) every column is a compile: `plan(..., callbacks=[])`
+compiles Keras' train step and `plan(..., callbacks=[ktm.MixedBFloat16()])`
+the engine's bf16 step of the float32 model, each at the requested
+per-replica batch up to the largest of `--compile-batches` and extrapolated
+per sample from two compiles below it beyond (the GPU's 256). There is no
+paper estimate there, and no accumulation search (each candidate of it is two
+more BERT compiles): `plan(..., search=True)` answers that for your model.
 
 The plan is also available from the command line:
 
@@ -25,8 +34,23 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 import time
 
+
+def _backend_flag(argv):
+    """`--backend NAME` / `--backend=NAME` from argv, or None (read before Keras is imported)."""
+    for i, arg in enumerate(argv):
+        if arg == "--backend" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--backend="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+if __name__ == "__main__" and _backend_flag(sys.argv[1:]) in ("tensorflow", "jax"):
+    # Keras reads KERAS_BACKEND once, at import: the flag wins over the environment.
+    os.environ["KERAS_BACKEND"] = _backend_flag(sys.argv[1:])
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # LLVM's optimisation level changes the generated machine code, not XLA's
@@ -132,11 +156,21 @@ TARGETS = (
 )
 
 
-def plan_all(model, compile_batches):
+def plan_all(model, compile_batches, callbacks=None):
+    """Plans every target: the estimate path, or (`callbacks` given) the compiled engine step.
+
+    `callbacks` is a function returning the list to plan (fresh callbacks per
+    plan); with it the step is compiled at each per-replica batch up to
+    `max(compile_batches)` and extrapolated from two compiles below it beyond.
+    """
     import keras_tpu_mem.planning as planning
 
-    return {device: planning.plan(model, batch, device=device,
-                                  compile_batches=compile_batches)
+    if callbacks is None:
+        return {device: planning.plan(model, batch, device=device,
+                                      compile_batches=compile_batches)
+                for _, device, batch in TARGETS}
+    return {device: planning.plan(model, batch, device=device, callbacks=callbacks(),
+                                  max_compile_batch=max(compile_batches))
             for _, device, batch in TARGETS}
 
 
@@ -152,35 +186,43 @@ def _verdict(total, fits, largest, recommendation):
     return text
 
 
-def table(f32, bf16=None) -> str:
-    """Markdown table: float32, plan's bf16 estimate and (optionally) a bf16 CPU compile."""
-    ref = f32["v3-64"]
-    b = bf16["v3-64"] if bf16 else None
-    cols = ["float32 (compiled)", "bf16 (plan's estimate)"]
+def table(f32, bf16=None, estimate=True, backend="tensorflow") -> str:
+    """Markdown table: float32, plan's bf16 estimate (`estimate`) and (optionally) a bf16 compile.
+
+    The per-sample rows come from the plan that separates per-sample and fixed
+    temporaries: v3-64's on the estimate path (compiled at several batches),
+    the GPU's (extrapolated from two compiles) on the compiled path.
+    """
+    where = "v3-64" if estimate else "12GiB"
+    ref = f32[where]
+    b = bf16[where] if bf16 else None
+    on = "JAX" if backend == "jax" else "TF"
+    cols = [f"float32 ({on}, compiled)"] + (["bf16 (plan's estimate)"] if estimate else [])
     if bf16:
-        cols.append("bf16 (compiled on CPU)")
+        cols.append(f"bf16 ({on}, compiled on CPU)")
     lines = ["| per replica | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
 
-    def add(label, values):
-        lines.append(f"| {label} | " + " | ".join(values[: len(cols)]) + " |")
+    def add(label, f32_value, estimate_value, bf16_value):
+        values = [f32_value] + ([estimate_value] if estimate else []) + (
+            [bf16_value] if bf16 else [])
+        lines.append(f"| {label} | " + " | ".join(values) + " |")
 
     states = ref.weight_bytes + ref.optimizer_bytes
-    add("weights + Adam slots", [gib(states), gib(states),
-                                 gib(b.weight_bytes + b.optimizer_bytes) if b else ""])
-    add("activations per sample", [gib(ref.activations_per_sample),
-                                   gib(0.5 * ref.activations_per_sample),
-                                   gib(b.activations_per_sample) if b else ""])
-    add("batch-independent temporaries", [gib(ref.activations_fixed),
-                                          gib(ref.activations_fixed + ref.trainable_bytes / 2),
-                                          gib(b.activations_fixed) if b else ""])
+    add("weights + Adam slots", gib(states), gib(states),
+        gib(b.weight_bytes + b.optimizer_bytes) if b else "")
+    add("activations per sample", gib(ref.activations_per_sample),
+        gib(0.5 * ref.activations_per_sample), gib(b.activations_per_sample) if b else "")
+    add("batch-independent temporaries", gib(ref.activations_fixed),
+        gib(ref.activations_fixed + ref.trainable_bytes / 2),
+        gib(b.activations_fixed) if b else "")
     for label, device, _ in TARGETS:
         p = f32[device]
         q = bf16[device] if bf16 else None
         add(f"{label}: {p.per_replica_batch} per replica, {gib(p.usable_bytes)} usable",
-            [_verdict(p.total_bytes, p.fits, p.largest_batch, p.recommendation),
-             _verdict(p.bf16_total_bytes, p.bf16_fits, p.bf16_largest_batch,
-                      p.bf16_recommendation),
-             _verdict(q.total_bytes, q.fits, q.largest_batch, q.recommendation) if q else ""])
+            _verdict(p.total_bytes, p.fits, p.largest_batch, p.recommendation),
+            _verdict(p.bf16_total_bytes, p.bf16_fits, p.bf16_largest_batch,
+                     p.bf16_recommendation) if estimate else "",
+            _verdict(q.total_bytes, q.fits, q.largest_batch, q.recommendation) if q else "")
     lines.append("")
     lines.append("max N: the largest per-replica batch that fits in one step; 10% of each "
                  "device kept as headroom.")
@@ -197,15 +239,32 @@ def main(argv=None):
                         help="also build and compile a mixed_bfloat16 model (doubles the run "
                              "time; XLA on the CPU keeps many bf16 intermediates in float32, "
                              "so this overstates what a TPU needs)")
+    parser.add_argument("--backend", choices=("tensorflow", "jax"), default=None,
+                        help="Keras backend to compile with (default: KERAS_BACKEND, else "
+                             "tensorflow); read before Keras is imported")
     args = parser.parse_args(argv)
     compile_batches = [int(b) for b in args.compile_batches.split(",")]
+    backend = keras.backend.backend()
+    if args.backend is not None and args.backend != backend:
+        parser.error(f"--backend {args.backend}: Keras was already imported with the "
+                     f"{backend} backend; run the script itself, or set KERAS_BACKEND.")
+    jax = backend == "jax"
 
     results = {}
     for policy in (["float32", "mixed_bfloat16"] if args.compile_bf16 else ["float32"]):
         t0 = time.perf_counter()
-        model = build_model(layers=args.layers, dtype_policy=policy)
+        if jax:
+            # The engine's steps of one float32 model: Keras' own, and MixedBFloat16's.
+            import keras_tpu_mem as ktm
+
+            model = build_model(layers=args.layers)
+            callbacks = (lambda: []) if policy == "float32" else (
+                lambda: [ktm.MixedBFloat16()])
+        else:
+            model = build_model(layers=args.layers, dtype_policy=policy)
+            callbacks = None
         params = model.count_params()
-        plans = plan_all(model, compile_batches)
+        plans = plan_all(model, compile_batches, callbacks)
         results[policy] = (params, plans, time.perf_counter() - t0)
         print(f"{policy}: built and compiled at batches {compile_batches} in "
               f"{time.perf_counter() - t0:.0f} s")
@@ -219,9 +278,14 @@ def main(argv=None):
     print(f"BERT-Large-shaped encoder: {args.layers} layers x hidden 1024, 16 heads, "
           f"FFN 4096, seq 512, MLM head on 80 positions; {params / 1e6:.1f} M parameters, "
           "Adam.")
-    print("Per replica, from XLA's buffer assignment of the train step compiled on the host "
-          f"at batches {', '.join(map(str, compile_batches))}:")
-    print(table(f32, bf16))
+    if jax:
+        print("Per device, from XLA's memory analysis of the JAX train step "
+              "(jit(...).lower(...).compile().memory_analysis()) compiled on the host at "
+              f"per-replica batches up to {max(compile_batches)}, extrapolated beyond:")
+    else:
+        print("Per replica, from XLA's buffer assignment of the train step compiled on the "
+              f"host at batches {', '.join(map(str, compile_batches))}:")
+    print(table(f32, bf16, estimate=not jax, backend=backend))
     print()
     print(f32["v3-64"])
     print()

@@ -136,6 +136,9 @@ class MemoryPlan:
     features: tuple[str, ...] = ()
     #: Candidates the search compiled, cheapest first (`search=True`).
     candidates: tuple = ()
+    #: Whether a recommendation was looked for (the estimate's accumulation
+    #: sweep, or `search=True`); False for `plan(..., callbacks=...)` alone.
+    searched: bool = True
 
     @property
     def capacity_bytes(self) -> int:
@@ -210,6 +213,10 @@ class MemoryPlan:
                 f"  -> fits with accumulation_steps={rec.accumulation_steps} "
                 f"(micro-batch {rec.micro_batch}): {fb(rec.total_bytes)}"
             )
+        elif not self.searched:
+            lines.append("  -> not searched: plan(..., search=True) compiles accumulation "
+                         "and bf16 (on JAX also remat) candidates and recommends the "
+                         "cheapest that fits")
         else:
             lines.append("  -> does not fit even with one example per micro-batch")
         if self.bf16_total_bytes is not None:

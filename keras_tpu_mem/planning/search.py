@@ -268,4 +268,5 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
         notes=tuple(notes),
         features=names,
         candidates=candidates,
+        searched=bool(search),
     )
