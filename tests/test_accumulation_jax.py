@@ -227,7 +227,8 @@ def _fit_micro(case, *, spe=1, steps=STEPS, data=None, batch_size=MICRO, callbac
 # case -> the batch a layer sees inside the pulled step: the micro-batch of 8,
 # per device inside shard_map (DataParallel(8): 1; ModelParallel's batch axis
 # of 2: 4).
-PULLED = {("none", 1): 8, ("dp8", 1): 1, ("mp2x4", 1): 4, ("none", 2): 8, ("dp8", 2): 1}
+PULLED = {("none", 1): 8, ("dp8", 1): 1, ("mp2x4", 1): 4, ("none", 2): 8, ("dp8", 2): 1,
+          ("dp8", 8): 1}
 
 
 @pytest.mark.parametrize("case,spe", list(PULLED), ids=[f"{c}-spe{s}" for c, s in PULLED])
@@ -246,6 +247,21 @@ def test_micro_batches_equal_full_batch(case, spe):
         np.testing.assert_allclose(history.history[key], ref_history.history[key],
                                    rtol=1e-5, atol=1e-6)
     assert {batch for batch, _ in seen} == {PULLED[(case, spe)]}, seen
+
+
+def test_micro_batches_run_eagerly_match_full_batch():
+    """run_eagerly: the same two steps, unjitted (shard_map runs eagerly too)."""
+    data = toy_data(UPDATES * GLOBAL_BATCH)
+    x, y = data
+    reference, _, _ = _fit_micro("dp8", mode=None, batch_size=GLOBAL_BATCH, data=data)
+    with make_distribution("dp8").scope():
+        model = mlp()
+        model.compile(optimizer=_adam(), loss=sparse_ce(), run_eagerly=True)
+        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0,
+                  callbacks=[GradientAccumulation(STEPS, dataset_yields="micro_batches")])
+    assert not hasattr(model.train_function.pulled_steps[True], "lower")  # not jitted
+    assert int(model.optimizer.iterations) == UPDATES
+    assert max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-6
 
 
 def test_micro_batches_count_updates_not_micro_batches():
