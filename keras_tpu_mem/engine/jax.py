@@ -22,6 +22,12 @@ lifetime); this module builds the step on JAX, where Keras' `fit` calls
   them — no collective inside the loop body (on a plain `scan` over the global
   array XLA puts the gradient all-reduce inside the loop: one per
   micro-batch), and no resharding of the batch.
+* **micro-batches pulled from the data** (`dataset_yields="micro_batches"`,
+  `_pulled_step`): each micro-batch is one call of an accumulating or (the
+  k-th) applying jitted step, `(state, accumulators, data)`; the accumulators
+  are arrays held by the train function (a leading per-device axis on the
+  batch axis under a data-parallel axis >1, filled inside `shard_map`), so
+  gradients are reduced once per update, in the applying step.
 * **"Per replica" on JAX** means per data-parallel shard: the global batch
   divided by the size of the distribution's batch axis (`DataParallel(8)`: per
   device; `ModelParallel` on a (2, 4) mesh: per group of 4 devices that share
