@@ -91,7 +91,8 @@ class GradientAccumulation(EngineCallback):
     callback keeps no state of its own; a window never outlives a step); on
     JAX with `DataParallel`, `ModelParallel`, `steps_per_execution > 1`,
     `BackupAndRestore` and several processes (`keras.distribution.initialize`).
-    `dataset_yields="micro_batches"` is TensorFlow-only for now (refused on JAX).
+    `dataset_yields="micro_batches"` works on both backends (on JAX: per-device
+    accumulators inside `shard_map`, one gradient reduction per update).
 
     Args:
         steps: Micro-batches per update (an int >= 1). The per-replica batch

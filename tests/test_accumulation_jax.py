@@ -7,6 +7,8 @@ global batch, from the same initial weights.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import keras
 import numpy as np
@@ -25,6 +27,7 @@ from helpers_jax import (
 )
 from jax.sharding import PartitionSpec
 
+from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem.accumulation import GradientAccumulation
 
 GLOBAL_BATCH = 32
@@ -178,15 +181,6 @@ def test_optimizer_with_its_own_accumulation_is_refused():
                   callbacks=[GradientAccumulation(STEPS)])
 
 
-def test_micro_batches_from_the_dataset_are_refused_on_jax_for_now():
-    x, y = toy_data(64)
-    model = mlp()
-    model.compile(optimizer="adam", loss=sparse_ce())
-    with pytest.raises(NotImplementedError, match="dataset_yields='global_batches'"):
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0,
-                  callbacks=[GradientAccumulation(4, dataset_yields="micro_batches")])
-
-
 def test_model_parallel_with_a_layer_output_layout():
     # A LayoutMap entry for a layer's output (Keras constrains the output to
     # it) naming the batch axis, which is manual inside the shard_map.
@@ -201,3 +195,201 @@ def test_model_parallel_with_a_layer_output_layout():
                       callbacks=callbacks)
             weights.append(model.get_weights())
     assert max_abs_diff(*weights) <= 1e-5
+
+
+# ------------------------------------------- dataset_yields="micro_batches"
+MICRO = 8  # micro-batch size; 4 of them make the global batch of 32
+
+
+def _adam():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=1, decay_rate=0.5)
+    return keras.optimizers.Adam(schedule)
+
+
+def _fit_micro(case, *, spe=1, steps=STEPS, data=None, batch_size=MICRO, callbacks=(),
+               mode="micro_batches", metrics=("accuracy",)):
+    """A fit with GradientAccumulation(steps, dataset_yields=mode) (None: a plain fit)."""
+    x, y = data if data is not None else toy_data(UPDATES * GLOBAL_BATCH)
+    distribution = make_distribution(case)
+    with scope(distribution):
+        model = mlp()
+        model.compile(optimizer=_adam(), loss=sparse_ce(), metrics=list(metrics),
+                      steps_per_execution=spe)
+        model.evaluate(x[:batch_size], y[:batch_size], batch_size=batch_size, verbose=0)
+        RecordingDense.seen.clear()
+        own = [] if mode is None else [GradientAccumulation(steps, dataset_yields=mode)]
+        history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
+                            callbacks=[*own, *callbacks])
+        seen = list(RecordingDense.seen)
+    return model, history, seen
+
+
+# case -> the batch a layer sees inside the pulled step: the micro-batch of 8,
+# per device inside shard_map (DataParallel(8): 1; ModelParallel's batch axis
+# of 2: 4).
+PULLED = {("none", 1): 8, ("dp8", 1): 1, ("mp2x4", 1): 4, ("none", 2): 8, ("dp8", 2): 1,
+          ("dp8", 8): 1}
+
+
+@pytest.mark.parametrize("case,spe", list(PULLED), ids=[f"{c}-spe{s}" for c, s in PULLED])
+def test_micro_batches_equal_full_batch(case, spe):
+    """Issue 17's floor: 160 examples as micro-batches of 8, steps=4 == plain fit at 32."""
+    reference, ref_history, _ = _fit_micro(case, mode=None, batch_size=GLOBAL_BATCH)
+    model, history, seen = _fit_micro(case, spe=spe)
+    assert max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-6
+    assert int(model.optimizer.iterations) == UPDATES
+    # The schedule decayed once per update (decay_steps=1, rate 0.5), not per micro-batch.
+    np.testing.assert_allclose(float(model.optimizer.learning_rate), 0.01 * 0.5**UPDATES,
+                               rtol=1e-6)
+    # Metrics update on every micro-batch: the mean of equal micro-batch losses
+    # (one window, one set of weights) is the full batch's loss.
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history.history[key], ref_history.history[key],
+                                   rtol=1e-5, atol=1e-6)
+    assert {batch for batch, _ in seen} == {PULLED[(case, spe)]}, seen
+
+
+def test_micro_batches_run_eagerly_match_full_batch():
+    """run_eagerly: the same two steps, unjitted (shard_map runs eagerly too)."""
+    data = toy_data(UPDATES * GLOBAL_BATCH)
+    x, y = data
+    reference, _, _ = _fit_micro("dp8", mode=None, batch_size=GLOBAL_BATCH, data=data)
+    with make_distribution("dp8").scope():
+        model = mlp()
+        model.compile(optimizer=_adam(), loss=sparse_ce(), run_eagerly=True)
+        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0,
+                  callbacks=[GradientAccumulation(STEPS, dataset_yields="micro_batches")])
+    assert not hasattr(model.train_function.pulled_steps[True], "lower")  # not jitted
+    assert int(model.optimizer.iterations) == UPDATES
+    assert max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-6
+
+
+def test_micro_batches_count_updates_not_micro_batches():
+    """1 update for a warm-up fit of 8 micro-batches (k=8), then 4 for a fit of 32."""
+    x, y = toy_data(MICRO * 40)
+    model = mlp()
+    model.compile(optimizer="sgd", loss=sparse_ce())
+    seen = []
+
+    class Batches(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    accumulate = GradientAccumulation(8, dataset_yields="micro_batches")
+    model.fit(x[:64], y[:64], batch_size=MICRO, shuffle=False, verbose=0,
+              callbacks=[accumulate])
+    assert int(model.optimizer.iterations) == 1
+    seen.clear()
+    history = model.fit(x[64:], y[64:], batch_size=MICRO, shuffle=False, verbose=0,
+                        callbacks=[accumulate, Batches()])
+    assert int(model.optimizer.iterations) == 1 + 4
+    assert seen == list(range(32))   # Keras' batch indices count micro-batches
+    assert len(history.history["loss"]) == 1
+
+
+def test_micro_batches_partial_window_is_an_error():
+    data = toy_data(MICRO * 10)   # 10 micro-batches, k=4
+    with pytest.raises(ValueError, match=r"10 micro-batches, not a multiple of 4"):
+        _fit_micro("none", data=data)
+
+
+def test_micro_batches_partial_window_of_unknown_length_fails_at_epoch_end():
+    x, y = toy_data(MICRO * 6)
+
+    def batches():   # a generator: Keras does not know the epoch's length
+        for i in range(6):
+            yield x[i * MICRO:(i + 1) * MICRO], y[i * MICRO:(i + 1) * MICRO]
+
+    model = mlp()
+    model.compile(optimizer="sgd", loss=sparse_ce())
+    with pytest.raises(ValueError, match=r"2 micro-batch\(es\) into a window"):
+        model.fit(batches(), verbose=0,
+                  callbacks=[GradientAccumulation(4, dataset_yields="micro_batches")])
+    assert int(model.optimizer.iterations) == 1   # the whole window was applied
+
+
+def test_micro_batches_refuse_steps_per_execution_that_does_not_tile():
+    with pytest.raises(ValueError, match="steps_per_execution=3: one must divide the other"):
+        _fit_micro("none", spe=3)
+
+
+def test_micro_batches_window_of_an_interrupted_fit_does_not_leak():
+    """A fit stopped 2 micro-batches into a window leaves nothing behind: the next
+    fit equals a plain full-batch fit from the same (unchanged) weights."""
+    data = toy_data(UPDATES * GLOBAL_BATCH)
+    reference, _, _ = _fit_micro("dp8", mode=None, batch_size=GLOBAL_BATCH, data=data)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise RuntimeError("preempted")
+
+    x, y = data
+    with make_distribution("dp8").scope():
+        model = mlp()
+        model.compile(optimizer=_adam(), loss=sparse_ce())
+        accumulate = GradientAccumulation(STEPS, dataset_yields="micro_batches")
+        with pytest.raises(RuntimeError, match="preempted"):
+            model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0,
+                      callbacks=[accumulate, Interrupt()])
+        assert int(model.optimizer.iterations) == 0
+        model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0, callbacks=[accumulate])
+    assert int(model.optimizer.iterations) == UPDATES
+    assert max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-6
+
+
+_ALL_REDUCE = re.compile(r"=\s*(\(.*?\)|\S+)\s+all-reduce(?:-start)?\(")
+
+
+def _all_reduce_shapes(text):
+    """The result shapes of every all-reduce in a compiled module, e.g. ['f32[]', 'f32[16,32]']."""
+    shapes = []
+    for line in text.splitlines():
+        match = _ALL_REDUCE.search(line)
+        if match:
+            shapes += re.findall(r"\w+\[[\d,]*\]", match.group(1))
+    return shapes
+
+
+def test_micro_batches_data_parallel_reduce_gradients_only_in_the_applying_step():
+    x, y = toy_data(GLOBAL_BATCH)
+    with make_distribution("dp8").scope():
+        model = mlp()
+        model.compile(optimizer="adam", loss=sparse_ce(), metrics=["accuracy"])
+        model.fit(x, y, batch_size=MICRO, verbose=0,
+                  callbacks=[GradientAccumulation(STEPS, dataset_yields="micro_batches")])
+        function = model.train_function
+        state = jax_compat.jax_state(model)
+        data = jax_compat.distribute_data((x[:MICRO], y[:MICRO]))
+        texts = {apply: function.pulled_steps[apply].lower(
+                     state, function.zero_accumulators(), data).compile().as_text()
+                 for apply in (False, True)}
+    weight_shapes = {f"f32[{','.join(map(str, w.shape))}]" for w in model.trainable_weights}
+    accumulating, applying = (_all_reduce_shapes(texts[a]) for a in (False, True))
+    # The accumulating step reduces no gradient: its only collective is the
+    # metrics' scalar totals and counts (loss tracker, accuracy).
+    assert not weight_shapes & set(accumulating), accumulating
+    assert set(accumulating) <= {"f32[]"}, accumulating
+    # The applying step reduces every weight's gradient (once).
+    assert weight_shapes <= set(applying), applying
+    for text in texts.values():
+        assert count_opcode(text, "all-to-all") == 0
+        assert count_opcode(text, "collective-permute") == 0
+        assert count_opcode(text, "all-gather") == 0
+
+
+def test_micro_batches_compose_with_pruning_like_global_batches():
+    """Pruning's after_update runs after applying steps only: both modes train alike."""
+    from keras_tpu_mem import Pruning
+    from keras_tpu_mem.pruning_schedules import ConstantSparsity
+
+    def pruning():
+        return Pruning(ConstantSparsity(0.5, begin_step=2, frequency=1))
+
+    micro, _, _ = _fit_micro("dp8", callbacks=[pruning()], metrics=())
+    full, _, _ = _fit_micro("dp8", mode="global_batches", batch_size=GLOBAL_BATCH,
+                            callbacks=[pruning()], metrics=())
+    assert int(micro.optimizer.iterations) == UPDATES
+    assert max_abs_diff(micro.get_weights(), full.get_weights()) <= 1e-5
+    kernel = np.asarray(micro.layers[0].kernel.value)
+    np.testing.assert_allclose(np.mean(kernel == 0), 0.5, atol=0.01)
