@@ -16,10 +16,10 @@ import subprocess
 import sys
 import time
 
+import host_rss_workload
 import keras
 import numpy as np
 import pytest
-import host_rss_workload
 import tensorflow as tf
 
 from keras_tpu_mem import devices

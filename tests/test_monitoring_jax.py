@@ -18,10 +18,10 @@ import sys
 import textwrap
 import time
 
+import host_rss_workload
 import jax
 import keras
 import numpy as np
-import host_rss_workload
 import pytest
 from helpers_jax import make_distribution, scope
 
