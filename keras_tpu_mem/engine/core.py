@@ -193,6 +193,23 @@ def overrides(model, method: str) -> bool:
     return getattr(type(model), method) is not getattr(base, method)
 
 
+def check_pulled_micro_batches(model, k: int) -> None:
+    """The settings `GradientAccumulation(k, dataset_yields="micro_batches")` needs,
+    checked alike by both engines: a built model, and a `steps_per_execution`
+    (counted in micro-batches, Keras' unit) that divides or is a multiple of k."""
+    spe = int(model.steps_per_execution)
+    if spe % k and k % spe:
+        raise ValueError(
+            f"GradientAccumulation(steps={k}, dataset_yields='micro_batches') with "
+            f"steps_per_execution={spe}: one must divide the other (steps_per_execution "
+            "counts micro-batches here, Keras' unit), e.g. steps_per_execution="
+            f"{k} or {2 * k}.")
+    if not model.built or not model.trainable_weights:
+        raise ValueError(
+            "GradientAccumulation(dataset_yields='micro_batches') needs a built model: "
+            "build it (an `Input` layer, or call it once on a batch) before `fit`.")
+
+
 def check_float16_replicas(model, replicas: int) -> None:
     """float16 training over several replicas is refused (see the message)."""
     if replicas <= 1:

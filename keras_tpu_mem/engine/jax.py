@@ -58,11 +58,9 @@ from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem.engine.core import Feature, StepContext
 from keras_tpu_mem.engine.jax_pulled import PulledMicroBatchSteps
-from keras_tpu_mem.engine.jax_shared import SEED_STRIDE as _SEED_STRIDE
-from keras_tpu_mem.engine.jax_shared import combine as _combine
+from keras_tpu_mem.engine.jax_shared import PerDeviceState as _PerDeviceState
 from keras_tpu_mem.engine.jax_shared import leading_dim as _leading_dim
-from keras_tpu_mem.engine.jax_shared import offset_seed as _offset_seed
-from keras_tpu_mem.engine.jax_shared import restore_variables as _restore_variables
+from keras_tpu_mem.engine.jax_shared import multi_step_train_function as _multi_step_train_function
 
 
 # ------------------------------------------------------------- distribution
@@ -294,6 +292,24 @@ class JaxStep(PulledMicroBatchSteps):
         return groups[0][1], groups[1][1], groups[2][1]
 
     # ---------------------------------------------------------------- the step
+    def _step_inputs(self, features, data, feature_state):
+        """What every step reads first: `(has_feature_state, feature_state, (x, y,
+        sample_weight, extras), leading batch size, data-parallel shards)`."""
+        has_feature_state = any(self._feature_variables(features))
+        if feature_state is None:
+            feature_state = self.feature_state(features)
+        feature_state = (list(feature_state[0]), list(feature_state[1]))
+        extras = {}
+        for feature in features:
+            data, more = feature.split_extras(data)
+            extras.update(more)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        batch = (x, y, sample_weight, extras)
+        size = _leading_dim(batch)
+        if size is None:
+            raise ValueError("keras_tpu_mem's engine found no batched array in the data.")
+        return has_feature_state, feature_state, batch, size, self.num_replicas()
+
     def _step(self, features, state, data, feature_state=None):
         """One update. `features` is the build's snapshot of the engine's features, so
         that a later trace of the same step (`jitted_step.lower`) builds the same step.
@@ -303,21 +319,10 @@ class JaxStep(PulledMicroBatchSteps):
         without `feature_state`, the variables' current values are used (as constants).
         """
         model = self.model
-        has_feature_state = any(self._feature_variables(features))
-        if feature_state is None:
-            feature_state = self.feature_state(features)
-        feature_state = (list(feature_state[0]), list(feature_state[1]))
+        has_feature_state, feature_state, batch, global_batch, shards = self._step_inputs(
+            features, data, feature_state)
         trainable, non_trainable, optimizer_vars, metrics_vars = state
-        extras = {}
-        for feature in features:
-            data, more = feature.split_extras(data)
-            extras.update(more)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        batch = (x, y, sample_weight, extras)
-        global_batch = _leading_dim(batch)
-        if global_batch is None:
-            raise ValueError("keras_tpu_mem's engine found no batched array in the data.")
-        shards = self.num_replicas()
+        x, y, sample_weight, extras = batch
         if global_batch % shards:
             raise ValueError(
                 f"The global batch of {global_batch} does not split over the "
@@ -362,24 +367,13 @@ class JaxStep(PulledMicroBatchSteps):
                                metrics_vars, batch, num_micro, shards, feature_state=((), ())):
         """The micro-batch loop inside `shard_map` over the batch axis: one reduction
         after the loop."""
-        model = self.model
-        distribution = keras.distribution.distribution()
-        axis = distribution.batch_dim_name
-        mesh = jax_compat.backend_mesh(distribution.device_mesh)
-        seed_ids = {id(generator.state)
-                    for layer in keras_compat.flatten_layers(model, include_self=True)
-                    for generator in jax_compat.seed_generators(layer)}
-        seeds = [id(v) in seed_ids for v in model.non_trainable_variables]
-        non_trainable_agg = [v.aggregation for v in model.non_trainable_variables]
-        metrics_agg = [v.aggregation for v in model.metrics_variables]
+        per_device = _PerDeviceState(self.model, keras.distribution.distribution(), shards)
+        axis, mesh = per_device.axis, per_device.mesh
 
         def local(trainable, non_trainable, optimizer_vars, metrics_vars, batch,
                   feature_state):
-            offset = (jax.lax.axis_index(axis).astype(jnp.uint32)
-                      * jnp.uint32(_SEED_STRIDE))
-            start = [_offset_seed(v, offset) if s else v
-                     for v, s in zip(non_trainable, seeds)]
-            with jax_compat.tensor_layouts_for_manual_axes(distribution, {axis}):
+            start, offset = per_device.localize(non_trainable)
+            with per_device.layouts():
                 sums, local_non_trainable, local_metrics, updated = self._micro_batch_loop(
                     features, trainable, start, optimizer_vars, metrics_vars, batch,
                     num_micro, feature_state)
@@ -388,18 +382,9 @@ class JaxStep(PulledMicroBatchSteps):
             # device's loss is the mean over its share, so the mean of the
             # devices' gradients is the gradient of the global batch's loss).
             grads = [jax.lax.psum(s, axis) / shards for s in sums]
-            local_non_trainable = [_offset_seed(v, -offset) if s else v
-                                   for v, s in zip(local_non_trainable, seeds)]
-            # A variable the step never writes (a frozen layer's weights) is
-            # handed back as it came in: averaging equal values over the
-            # devices could move it by a rounding error every step.
-            non_trainable = [_combine(axis, shards, before, after, agg) if changed else before
-                             for before, after, agg, changed in zip(
-                                 non_trainable, local_non_trainable, non_trainable_agg,
-                                 updated)]
-            metrics_vars = [_combine(axis, shards, before, after, agg)
-                            for before, after, agg in zip(metrics_vars, local_metrics,
-                                                          metrics_agg)]
+            non_trainable, metrics_vars = per_device.combine(
+                non_trainable, local_non_trainable, updated, metrics_vars, local_metrics,
+                offset)
             return grads, non_trainable, metrics_vars
 
         replicated = PartitionSpec()
@@ -482,39 +467,7 @@ class JaxStep(PulledMicroBatchSteps):
                     jax_compat.set_variable_value(variable, value)
                 return logs, state
 
-        def train_function(state, iterator):
-            count = engine.steps_for_this_call() or per_call
-            # A callback's `model` property syncs Keras' training state into the
-            # variables (`jax_state_sync`). If a feature reads it while the step
-            # is traced (every call with run_eagerly, or a retrace for a new
-            # shape), Keras would take the variables as current and reload the
-            # state from them next step, dropping this call's updates: the
-            # flag is put back as it was.
-            synced = jax_compat.state_synced(model)
-            given = state
-            try:
-                logs, state = step(state, next(iterator))
-                for _ in range(count - 1):
-                    try:
-                        data = next(iterator)
-                    except StopIteration:  # the data ended inside this call
-                        break
-                    logs, state = step(state, data)
-            except StopIteration:
-                raise
-            except Exception as error:
-                # Keras' fit took the values out of the variables for the loop
-                # and puts them back only after a clean epoch: give them back
-                # the state this call started from, where it is still alive.
-                _restore_variables(model, given)
-                clearer = engine.explain(error)
-                if clearer is not None:
-                    raise clearer from error
-                raise
-            finally:
-                jax_compat.set_state_synced(model, synced)
-            return logs, state
-
+        train_function = _multi_step_train_function(model, engine, step, per_call)
         train_function.jitted_step = self.jitted_step
         return train_function
 

@@ -27,13 +27,9 @@ import keras
 from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem.engine.core import StepContext
-from keras_tpu_mem.engine.jax_shared import SEED_STRIDE as _SEED_STRIDE
-from keras_tpu_mem.engine.jax_shared import combine as _combine
-from keras_tpu_mem.engine.jax_shared import leading_dim as _leading_dim
-from keras_tpu_mem.engine.jax_shared import offset_seed as _offset_seed
-from keras_tpu_mem.engine.jax_shared import restore_variables as _restore_variables
+from keras_tpu_mem.engine.core import StepContext, check_pulled_micro_batches
+from keras_tpu_mem.engine.jax_shared import PerDeviceState as _PerDeviceState
+from keras_tpu_mem.engine.jax_shared import multi_step_train_function as _multi_step_train_function
 
 
 class PulledMicroBatchSteps:
@@ -54,21 +50,10 @@ class PulledMicroBatchSteps:
         `psum`.
         """
         model = self.model
-        has_feature_state = any(self._feature_variables(features))
-        if feature_state is None:
-            feature_state = self.feature_state(features)
-        feature_state = (list(feature_state[0]), list(feature_state[1]))
+        has_feature_state, feature_state, batch, micro, shards = self._step_inputs(
+            features, data, feature_state)
         trainable, non_trainable, optimizer_vars, metrics_vars = state
-        extras = {}
-        for feature in features:
-            data, more = feature.split_extras(data)
-            extras.update(more)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        batch = (x, y, sample_weight, extras)
-        micro = _leading_dim(batch)
-        if micro is None:
-            raise ValueError("keras_tpu_mem's engine found no batched array in the data.")
-        shards = self.num_replicas()
+        x, y, sample_weight, extras = batch
         if micro % shards:
             raise ValueError(
                 f"GradientAccumulation(steps={k}, dataset_yields='micro_batches'): the "
@@ -108,24 +93,13 @@ class PulledMicroBatchSteps:
         """`_pulled_step`'s gradient under a data-parallel axis: inside `shard_map` over
         the batch axis, each device adds its own share's gradient to its own slice
         of the accumulators (leading axis); only `apply` reduces (one `psum`)."""
-        model = self.model
-        distribution = keras.distribution.distribution()
-        axis = distribution.batch_dim_name
-        mesh = jax_compat.backend_mesh(distribution.device_mesh)
-        seed_ids = {id(generator.state)
-                    for layer in keras_compat.flatten_layers(model, include_self=True)
-                    for generator in jax_compat.seed_generators(layer)}
-        seeds = [id(v) in seed_ids for v in model.non_trainable_variables]
-        non_trainable_agg = [v.aggregation for v in model.non_trainable_variables]
-        metrics_agg = [v.aggregation for v in model.metrics_variables]
+        state = _PerDeviceState(self.model, keras.distribution.distribution(), shards)
+        axis, mesh = state.axis, state.mesh
 
         def local(trainable, non_trainable, optimizer_vars, metrics_vars, accumulators,
                   batch, feature_state):
-            offset = (jax.lax.axis_index(axis).astype(jnp.uint32)
-                      * jnp.uint32(_SEED_STRIDE))
-            start = [_offset_seed(v, offset) if s else v
-                     for v, s in zip(non_trainable, seeds)]
-            with jax_compat.tensor_layouts_for_manual_axes(distribution, {axis}):
+            start, offset = state.localize(non_trainable)
+            with state.layouts():
                 grads, local_non_trainable, local_metrics, updated = self._one_micro_batch(
                     features, trainable, start, optimizer_vars, metrics_vars, batch, k,
                     feature_state)
@@ -137,15 +111,9 @@ class PulledMicroBatchSteps:
             else:
                 grads = []
                 accumulators = [s[None] for s in sums]
-            local_non_trainable = [_offset_seed(v, -offset) if s else v
-                                   for v, s in zip(local_non_trainable, seeds)]
-            non_trainable = [_combine(axis, shards, before, after, agg) if changed else before
-                             for before, after, agg, changed in zip(
-                                 non_trainable, local_non_trainable, non_trainable_agg,
-                                 updated)]
-            metrics_vars = [_combine(axis, shards, before, after, agg)
-                            for before, after, agg in zip(metrics_vars, local_metrics,
-                                                          metrics_agg)]
+            non_trainable, metrics_vars = state.combine(
+                non_trainable, local_non_trainable, updated, metrics_vars, local_metrics,
+                offset)
             return grads, accumulators, non_trainable, metrics_vars
 
         replicated, per_device = PartitionSpec(), PartitionSpec(axis)
@@ -213,17 +181,8 @@ class PulledMicroBatchSteps:
 
     def _build_pulled_train_function(self, k: int) -> Callable:
         model = self.model
+        check_pulled_micro_batches(model, k)
         spe = int(model.steps_per_execution)
-        if spe % k and k % spe:
-            raise ValueError(
-                f"GradientAccumulation(steps={k}, dataset_yields='micro_batches') with "
-                f"steps_per_execution={spe}: one must divide the other (steps_per_execution "
-                "counts micro-batches here, Keras' unit), e.g. steps_per_execution="
-                f"{k} or {2 * k}.")
-        if not model.built or not model.trainable_variables:
-            raise ValueError(
-                "GradientAccumulation(dataset_yields='micro_batches') needs a built model: "
-                "build it (an `Input` layer, or call it once on a batch) before `fit`.")
         jit = not model.run_eagerly and bool(model.jit_compile)
         steps = self.make_pulled_steps(k, jit=jit)
         self.jitted_step = None
@@ -259,33 +218,11 @@ class PulledMicroBatchSteps:
             held["position"] = engine._window_position
             return logs, state
 
-        def train_function(state, iterator):
-            count = engine.steps_for_this_call() or spe
-            synced = jax_compat.state_synced(model)
-            given = state
-            try:
-                logs, state = micro_step(state, next(iterator))
-                for _ in range(count - 1):
-                    try:
-                        data = next(iterator)
-                    except StopIteration:  # the data ended inside this call
-                        break
-                    logs, state = micro_step(state, data)
-            except StopIteration:
-                raise
-            except Exception as error:
-                held["accumulators"], held["position"] = None, 0
-                # As in `JaxStep.build_train_function`: the variables get back
-                # this call's input state, where the failed step left it alive.
-                _restore_variables(model, given)
-                clearer = engine.explain(error)
-                if clearer is not None:
-                    raise clearer from error
-                raise
-            finally:
-                jax_compat.set_state_synced(model, synced)
-            return logs, state
+        def forget_window():  # a failed step leaves no window to continue
+            held["accumulators"], held["position"] = None, 0
 
+        train_function = _multi_step_train_function(model, engine, micro_step, spe,
+                                                    on_error=forget_window)
         train_function.jitted_step = None
         train_function.pulled_steps = steps
         train_function.zero_accumulators = lambda: self.zero_accumulators(shardings)

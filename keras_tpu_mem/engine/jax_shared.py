@@ -74,3 +74,109 @@ def combine(axis, shards, before, after, aggregation):
     if dtype == jnp.bool_:
         return jax.lax.pmax(after.astype(jnp.int32), axis).astype(dtype)
     return jax.lax.pmax(after, axis)
+
+
+def multi_step_train_function(model, engine, step, default_count, on_error=None):
+    """Keras' JAX train function `(state, iterator) -> (logs, state)` around `step`.
+
+    Runs `engine.steps_for_this_call()` steps (`default_count` when that is
+    unknown), stopping early where the data ends inside the call. A callback's
+    `model` property syncs Keras' training state into the variables
+    (`jax_state_sync`); if a feature reads it while the step is traced (every
+    call with run_eagerly, or a retrace for a new shape), Keras would take the
+    variables as current and reload the state from them next step, dropping
+    this call's updates: the flag is put back as it was. On an error of the
+    step, `on_error()` runs, the variables get back this call's input state
+    (Keras' fit took the values out of them for its loop and puts them back
+    only after a clean epoch), and the engine explains the error and ends the
+    fit (`Engine.explain`).
+    """
+    from keras_tpu_mem._compat import jax as jax_compat
+
+    def train_function(state, iterator):
+        count = engine.steps_for_this_call() or default_count
+        synced = jax_compat.state_synced(model)
+        given = state
+        try:
+            logs, state = step(state, next(iterator))
+            for _ in range(count - 1):
+                try:
+                    data = next(iterator)
+                except StopIteration:  # the data ended inside this call
+                    break
+                logs, state = step(state, data)
+        except StopIteration:
+            raise
+        except Exception as error:
+            if on_error is not None:
+                on_error()
+            restore_variables(model, given)
+            clearer = engine.explain(error)
+            if clearer is not None:
+                raise clearer from error
+            raise
+        finally:
+            jax_compat.set_state_synced(model, synced)
+        return logs, state
+
+    return train_function
+
+
+class PerDeviceState:
+    """Keras' state in and out of a `shard_map` body over the batch axis.
+
+    Inside the body each device runs its own share of the step: its dropout
+    seeds are offset by its index (`localize`), so no two devices draw the
+    same masks, and afterwards the per-device values are made one replicated
+    value again by each variable's declared aggregation (`combine`).
+
+    Args:
+        model: The model whose step the body runs.
+        distribution: The active `keras.distribution` (with a batch axis).
+        shards: Devices along its batch axis.
+    """
+
+    def __init__(self, model, distribution, shards):
+        from keras_tpu_mem._compat import jax as jax_compat
+        from keras_tpu_mem._compat import keras as keras_compat
+
+        self.distribution = distribution
+        self.axis = distribution.batch_dim_name
+        self.mesh = jax_compat.backend_mesh(distribution.device_mesh)
+        self.shards = shards
+        seed_ids = {id(generator.state)
+                    for layer in keras_compat.flatten_layers(model, include_self=True)
+                    for generator in jax_compat.seed_generators(layer)}
+        self.seeds = [id(v) in seed_ids for v in model.non_trainable_variables]
+        self.non_trainable_agg = [v.aggregation for v in model.non_trainable_variables]
+        self.metrics_agg = [v.aggregation for v in model.metrics_variables]
+
+    def layouts(self):
+        """Layer-output layouts without the manual batch axis, while the body traces."""
+        from keras_tpu_mem._compat import jax as jax_compat
+
+        return jax_compat.tensor_layouts_for_manual_axes(self.distribution, {self.axis})
+
+    def localize(self, non_trainable):
+        """`(non_trainable with this device's seeds, offset)`, inside the body."""
+        offset = jax.lax.axis_index(self.axis).astype(jnp.uint32) * jnp.uint32(SEED_STRIDE)
+        return [offset_seed(v, offset) if s else v
+                for v, s in zip(non_trainable, self.seeds)], offset
+
+    def combine(self, non_trainable, local_non_trainable, updated, metrics_vars,
+                local_metrics, offset):
+        """`(non_trainable, metrics_vars)` made replicated again after the local step."""
+        local_non_trainable = [offset_seed(v, -offset) if s else v
+                               for v, s in zip(local_non_trainable, self.seeds)]
+        # A variable the step never writes (a frozen layer's weights) is
+        # handed back as it came in: averaging equal values over the devices
+        # could move it by a rounding error every step.
+        non_trainable = [combine(self.axis, self.shards, before, after, agg) if changed
+                         else before
+                         for before, after, agg, changed in zip(
+                             non_trainable, local_non_trainable, self.non_trainable_agg,
+                             updated)]
+        metrics_vars = [combine(self.axis, self.shards, before, after, agg)
+                        for before, after, agg in zip(metrics_vars, local_metrics,
+                                                      self.metrics_agg)]
+        return non_trainable, metrics_vars

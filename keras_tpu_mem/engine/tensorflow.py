@@ -31,7 +31,7 @@ from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._compat import tensorflow as tf_compat
 from keras_tpu_mem._utils import leading_dim
 from keras_tpu_mem.engine import MICRO_BATCH_SPLIT
-from keras_tpu_mem.engine.core import StepContext, unscale_for_replicas
+from keras_tpu_mem.engine.core import StepContext, check_pulled_micro_batches, unscale_for_replicas
 
 
 def update_variable(variable, fn, *args):
@@ -234,11 +234,6 @@ class TensorFlowStep:
         epoch), so they are not part of checkpoints.
         """
         model = self.model
-        if not model.built or not model.trainable_weights:
-            raise ValueError(
-                "GradientAccumulation(dataset_yields='micro_batches') needs a built model: "
-                "build it (an `Input` layer, or call it once on a batch) before `fit`."
-            )
         with strategy.scope():
             return [tf.Variable(tf.zeros(w.shape, w.dtype), trainable=False,
                                 synchronization=tf.VariableSynchronization.ON_READ,
@@ -249,14 +244,7 @@ class TensorFlowStep:
     def _build_pulled_train_function(self, k: int) -> Callable:
         model = self.model
         strategy = model.distribute_strategy
-        spe = int(model.steps_per_execution)
-        if spe % k and k % spe:
-            raise ValueError(
-                f"GradientAccumulation(steps={k}, dataset_yields='micro_batches') with "
-                f"steps_per_execution={spe}: one must divide the other (steps_per_execution "
-                "counts micro-batches here, Keras' unit), e.g. steps_per_execution="
-                f"{k} or {2 * k}."
-            )
+        check_pulled_micro_batches(model, k)
         accumulators = self._make_accumulators(strategy)
 
         def replica_fn(apply):
