@@ -1,0 +1,49 @@
+"""The adapter's contract: which concerns a backend serves, and how they load.
+
+A `Backend` is a name and a set of concern modules,
+`keras_tpu_mem/backends/<name>/<concern>.py`, loaded on first use
+(`backend.devices`, `backend.summary`, ...), so that asking for device memory
+never imports the training step. Both backends offer the same functions in a
+concern's module; each module's docstring is the contract for that concern.
+A concern one backend does not have raises `NotImplementedError` naming the
+backend and the concern.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+#: The Keras backends that have a training engine and an adapter.
+SUPPORTED = ("tensorflow", "jax")
+
+
+class Backend:
+    """One backend's half of the package, concern by concern.
+
+    Attributes:
+        name: Keras' name of the backend (`keras.backend.backend()`).
+        label: How messages name it ("TensorFlow", "JAX").
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.label = {"tensorflow": "TensorFlow", "jax": "JAX"}[name]
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+    def offers(self, concern: str) -> bool:
+        """Whether this backend has a module for `concern`."""
+        return importlib.util.find_spec(f"{__package__}.{self.name}.{concern}") is not None
+
+    def __getattr__(self, concern: str):
+        if concern.startswith("_"):
+            raise AttributeError(concern)
+        module_name = f"{__package__}.{self.name}.{concern}"
+        if importlib.util.find_spec(module_name) is None:
+            raise NotImplementedError(
+                f"keras_tpu_mem has no {concern!r} for the Keras {self.label} backend.")
+        module = importlib.import_module(module_name)
+        self.__dict__[concern] = module  # later lookups skip __getattr__
+        return module

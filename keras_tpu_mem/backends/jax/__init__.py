@@ -1,0 +1,1 @@
+"""JAX's half of the backend seam (see `keras_tpu_mem.backends`)."""

@@ -1,0 +1,1 @@
+"""TensorFlow's half of the backend seam (see `keras_tpu_mem.backends`)."""
