@@ -1,4 +1,4 @@
-"""Test harness: two logical CPUs and the strategy matrix of ARCHITECTURE.md.
+"""Test harness: two logical CPUs and the strategy matrix of docs/testing.md.
 
 TensorFlow's device layout can only be set before it initialises, so it is
 set here, at import time of the first conftest, for the whole session: the
@@ -31,7 +31,7 @@ if BACKEND == "jax":
     # threads (8 devices on a 2-core machine), XLA:CPU's in-process all-reduce
     # deadlocks intermittently ("Expected 8 threads to join the rendezvous";
     # 2 of 6 DataParallel fits hung, 7 of 7 passed with NPROC=16; see
-    # ARCHITECTURE.md). Set, not defaulted: the JAX tests count on 8 devices.
+    # docs/testing.md). Set, not defaulted: the JAX tests count on 8 devices.
     _flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
               if not f.startswith("--xla_force_host_platform_device_count")]
     os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=8"])
@@ -53,7 +53,7 @@ if BACKEND == "tensorflow":
     # One MirroredStrategy for the whole session (see strategy._STRATEGIES for why).
     MIRRORED = mirrored_logical_cpus(2)
 
-# The matrix every feature passes on CPU (see ARCHITECTURE.md):
+# The matrix every feature passes on CPU (docs/testing.md):
 #   default  - default strategy, jit_compile=False
 #   jit      - default strategy, jit_compile=True (XLA, as on TPU)
 #   mirrored - MirroredStrategy over 2 logical CPUs (replica semantics)

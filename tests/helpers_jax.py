@@ -14,7 +14,7 @@ import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
 
-#: The distributions of the JAX test matrix (ARCHITECTURE.md).
+#: The distributions of the JAX test matrix (docs/testing.md).
 CASES = ("none", "dp8", "mp2x4")
 
 

@@ -7,6 +7,12 @@ the others on TensorFlow). A backend whose framework is not installed is
 skipped with a one-line notice. Extra arguments go to every pytest run (`-x`,
 `-k expr`, test paths); `--backends jax` (or `tensorflow,jax`) picks backends.
 
+The package is imported the way a user's script imports it: never from the
+checkout's folder by accident (pytest runs with `PYTHONSAFEPATH=1`, so the
+current directory is not put first on `sys.path`), and the first line names
+where `keras_tpu_mem` comes from — the installed wheel after the README's
+`pip install dist/...whl`, the checkout after `pip install -e .`.
+
 The last line is the combined count, `N passed, N failed` (`, N skipped` when
 some were skipped); failures include pytest's errors. The exit status is
 non-zero when any run fails, a run collects no test, or no backend could run.
@@ -40,7 +46,9 @@ def parse_summary(output: str) -> dict[str, int]:
     """Counts from pytest's last summary line (`3 passed, 1 skipped in 2.0s`)."""
     for line in reversed(output.strip().splitlines()):
         line = line.strip().strip("=").strip()
-        if re.search(r"\bin [\d.]+s\b", line) and _COUNT.search(line):
+        # `-qq` drops the duration: a line of counts alone counts too.
+        timed = re.search(r"\bin [\d.]+s\b", line)
+        if (timed or re.fullmatch(r"\d+ \w+(, \d+ \w+)*", line)) and _COUNT.search(line):
             counts: dict[str, int] = {}
             for number, kind in _COUNT.findall(line):
                 kind = {"error": "errors", "warning": "warnings"}.get(kind, kind)
@@ -70,7 +78,7 @@ def run_backend(backend: str, pytest_args: list[str]) -> tuple[int, str]:
                    for a in pytest_args)
     command = [sys.executable, "-m", "pytest", "-q", *([] if has_path else [str(TESTS)]),
                *pytest_args]
-    env = dict(os.environ, KERAS_BACKEND=backend)
+    env = _environment(backend)
     chunks = []
     with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True) as process:
@@ -80,6 +88,21 @@ def run_backend(backend: str, pytest_args: list[str]) -> tuple[int, str]:
             sys.stdout.flush()
             chunks.append(chunk)
     return process.returncode, "".join(chunks)
+
+
+def _environment(backend: str) -> dict[str, str]:
+    # PYTHONSAFEPATH (Python >= 3.11): `python -m pytest` does not put the current
+    # directory (the checkout) first on sys.path, so an installed wheel is what runs.
+    return dict(os.environ, KERAS_BACKEND=backend, PYTHONSAFEPATH="1")
+
+
+def package_location() -> str:
+    """Where the tests will import keras_tpu_mem from (a folder), as pytest will see it."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import keras_tpu_mem, os; "
+         "print(os.path.dirname(keras_tpu_mem.__file__))"],
+        cwd=ROOT, env=_environment("jax"), capture_output=True, text=True)
+    return done.stdout.strip() or f"nowhere: {done.stderr.strip().splitlines()[-1:]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown backend(s) {unknown}; known: {', '.join(BACKENDS)}")
 
+    print(f"run_backends: testing keras_tpu_mem from {package_location()}", flush=True)
     runs, summaries, failed = [], [], False
     for backend in wanted:
         if not installed(backend):

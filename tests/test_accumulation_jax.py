@@ -1,4 +1,4 @@
-"""GradientAccumulation on the JAX backend: the matrix of ARCHITECTURE.md on 8 host devices.
+"""GradientAccumulation on the JAX backend: the JAX matrix of docs/testing.md on 8 host devices.
 
 Every exactness test compares against an independent reference: a plain
 Keras `fit` (Keras' own JAX train step, no keras_tpu_mem callback) on the full

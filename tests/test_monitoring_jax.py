@@ -461,11 +461,28 @@ def test_without_tensorboard_the_timeline_is_still_written(tmp_path, monkeypatch
     assert len(notices) == 1 and "pip install tensorboard" in notices[0]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is not None,
-                    reason="TensorFlow is installed: remote paths go through tf.io.gfile")
-def test_a_remote_log_dir_without_tensorflow_is_refused_up_front():
-    with pytest.raises(ValueError, match="tf.io.gfile"):
-        mon.HBMMonitor("gs://bucket/logs")
+def test_a_remote_log_dir_that_no_file_system_writes_is_refused_up_front():
+    # On JAX remote paths go through fsspec (never TensorFlow): a scheme it does not know
+    # is refused before the fit, naming it.
+    with pytest.raises(ValueError, match="fsspec cannot write nosuchfs:// paths"):
+        mon.HBMMonitor("nosuchfs://bucket/logs")
+
+
+def test_a_remote_log_dir_is_written_through_fsspec_without_tensorflow(ktm_records):
+    # fsspec's in-memory file system stands in for gs:// (gcsfs): the timeline, the summary
+    # and the TensorBoard events reach it.
+    fsspec = pytest.importorskip("fsspec")
+    x, y = _data(128)
+    model = _compile(_mlp())
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+              callbacks=[mon.HBMMonitor("memory://ktm-remote/logs")])
+    _no_crash(ktm_records)
+    fs = fsspec.filesystem("memory")
+    names = [p.rsplit("/", 1)[-1] for p in fs.ls("/ktm-remote/logs/ktm_memory", detail=False)]
+    assert "timeline.jsonl" in names and "summary.json" in names
+    assert any(n.startswith("events.out.tfevents.") for n in names)
+    with fs.open("/ktm-remote/logs/ktm_memory/timeline.jsonl", "r") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
 
 
 # ------------------------------------------------- no TensorFlow on JAX

@@ -13,6 +13,9 @@ import sys
 import numpy as np
 import pytest
 
+# Subprocess-heavy (minutes): CI runs it on the newest line only (pyproject: markers).
+pytestmark = pytest.mark.slow
+
 WORKER = pathlib.Path(__file__).resolve().parent / "multiprocess_worker_jax.py"
 TIMEOUT_S = 300  # each cluster; a hung collective fails the test instead of the suite
 

@@ -6,7 +6,11 @@ import pathlib
 import re
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+# Subprocess-heavy (minutes): CI runs it on the newest line only (pyproject: markers).
+pytestmark = pytest.mark.slow
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "colab_tpu.ipynb"
 

@@ -18,6 +18,7 @@ import run_backends  # noqa: E402
      {"failed": 1, "passed": 12, "skipped": 2, "warnings": 3}),
     ("1 error in 0.50s", {"errors": 1}),
     ("no tests ran in 0.01s", {}),
+    ("3 failed, 17 passed, 2 deselected", {"failed": 3, "passed": 17, "deselected": 2}),
 ])
 def test_parse_summary(line, expected):
     assert run_backends.parse_summary(f"some output\n{line}\n") == expected

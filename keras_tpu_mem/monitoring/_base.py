@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import keras
 
+from keras_tpu_mem import backends
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.monitoring._layout import format_table  # noqa: F401  (it lived here)
 from keras_tpu_mem.monitoring._writer import _RunFiles
@@ -24,13 +24,11 @@ def _check_log_dir(log_dir):
             "`log_dir` must be None (no files) or a directory path (str or "
             f"os.PathLike); got {log_dir!r}."
         )
-    if "://" in log_dir and importlib.util.find_spec("tensorflow") is None:
-        # Checked without importing TensorFlow (JAX users may have none).
+    problem = "://" in log_dir and backends.current().storage.remote_path_problem(log_dir)
+    if problem:
         raise ValueError(
-            f"`log_dir` {log_dir!r} is a remote path: the monitors write one through "
-            "TensorFlow's tf.io.gfile, and TensorFlow is not installed here. Write to a "
-            "local directory and copy it (e.g. `gsutil -m cp -r logs gs://bucket/`), or "
-            "install tensorflow."
+            f"`log_dir` {log_dir!r} is a remote path, and {problem}. Write to a local "
+            "directory and copy it (e.g. `gsutil -m cp -r logs gs://bucket/`)."
         )
     return log_dir
 

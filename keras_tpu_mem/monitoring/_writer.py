@@ -1,21 +1,23 @@
 """The monitors' run directory: TensorBoard events and the JSON-lines timeline.
 
 Written from a background thread, so the training thread only queues records.
-Needs no TensorFlow for a local directory: the events go through the
-`tensorboard` package's own pure-Python writer, and where that package is not
-installed (a JAX-only environment) the timeline and summary are still written,
-with one notice that names what adds the events.
+Needs no TensorFlow on JAX, local or remote: the files go through the running
+backend's storage (`backends.current().storage`) and the events through
+`keras_tpu_mem.events`, which never loads TensorFlow. Where the `tensorboard`
+package is missing (it is a requirement, but a trimmed environment may lack it)
+the timeline and summary are still written, with one notice that names what
+adds the events.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import queue
 import threading
 import time
 
+from keras_tpu_mem import backends
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.monitoring._layout import SUMMARY_FILE, TIMELINE_FILE
 
@@ -23,11 +25,13 @@ _NOTICES: set[str] = set()
 
 
 def _event_writer_class():
-    """TensorBoard's pure-Python `EventFileWriter`, or None without `tensorboard`."""
+    """`keras_tpu_mem.events.EventFileWriter`, or None without `tensorboard`."""
     try:
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        import tensorboard.compat.proto.event_pb2  # noqa: F401
     except ImportError:
         return None
+    from keras_tpu_mem.events import EventFileWriter
+
     return EventFileWriter
 
 
@@ -57,7 +61,7 @@ class _RunFiles:
     preempted one is, loses about the last second of records). On `gs://` and
     other stores that cannot append, the timeline is rewritten whole at each
     flush, so there the periodic flush is once a minute. TensorBoard
-    events are written with TensorBoard's own pure-Python event writer, not
+    events are written with a pure-Python event writer (`keras_tpu_mem.events`), not
     `tf.summary` ops: a `tf.summary.scalar` costs about 0.4 ms per call in
     eager mode, and writing and flushing in the training thread cost about
     0.2 ms per step, either of which alone would break a 2% overhead budget
@@ -73,11 +77,10 @@ class _RunFiles:
         self.timeline_path = os.path.join(self.dir, TIMELINE_FILE)
         self._lines: list[str] = []
         if self._remote:
-            import tensorflow as tf
-
-            tf.io.gfile.makedirs(self.dir)
-            if tf.io.gfile.exists(self.timeline_path):
-                with tf.io.gfile.GFile(self.timeline_path, "r") as f:
+            self._gfile = backends.current().storage.gfile
+            self._gfile.makedirs(self.dir)
+            if self._gfile.exists(self.timeline_path):
+                with self._gfile.GFile(self.timeline_path, "r") as f:
                     self._lines = f.read().splitlines(keepends=True)
             self.attempt = _last_attempt(self._lines[-50:]) + 1
             self._file = None
@@ -88,7 +91,7 @@ class _RunFiles:
         writer_class = _event_writer_class()
         #: Whether TensorBoard events are written (False without `tensorboard`).
         self.writes_events = writer_class is not None
-        self._events = writer_class(self.dir, flush_secs=30) if writer_class else None
+        self._events = writer_class(self.dir) if writer_class else None
         if self._events is None:
             _notice_no_tensorboard(self.dir)
         self._flush_every = self._REMOTE_FLUSH_EVERY_S if self._remote else self._FLUSH_EVERY_S
@@ -128,11 +131,9 @@ class _RunFiles:
         path = os.path.join(self.dir, SUMMARY_FILE)
         text = json.dumps(summary, indent=2, default=str)
         if self._remote:
-            import tensorflow as tf
-
-            with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+            with self._gfile.GFile(path + ".tmp", "w") as f:
                 f.write(text)
-            tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+            self._gfile.rename(path + ".tmp", path, overwrite=True)
         else:
             tmp = path + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:
@@ -198,38 +199,12 @@ class _RunFiles:
             self._lines.append(line)
 
     def _write_event(self, step, values, wall_time) -> None:
-        if self._events is None:
-            return
-        from tensorboard.compat.proto import event_pb2, summary_pb2
-
-        summary = summary_pb2.Summary(value=[
-            summary_pb2.Summary.Value(tag=tag, simple_value=float(value))
-            for tag, value in values.items()
-            if value is not None and math.isfinite(value)
-        ])
-        self._events.add_event(event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
+        if self._events is not None:
+            self._events.scalars(step, values, wall_time)
 
     def _write_text(self, step, tag, markdown, wall_time) -> None:
-        if self._events is None:
-            return
-        from tensorboard.compat.proto import (
-            event_pb2,
-            summary_pb2,
-            tensor_pb2,
-            tensor_shape_pb2,
-            types_pb2,
-        )
-
-        # What tensorboard.plugins.text writes: a scalar string tensor tagged
-        # for the "text" plugin (pure protobuf, no TensorFlow op).
-        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING,
-                                        tensor_shape=tensor_shape_pb2.TensorShapeProto(),
-                                        string_val=[markdown.encode("utf-8")])
-        metadata = summary_pb2.SummaryMetadata(
-            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
-        summary = summary_pb2.Summary(value=[
-            summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=metadata)])
-        self._events.add_event(event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
+        if self._events is not None:
+            self._events.text(step, tag, markdown, wall_time)
 
     def _flush_files(self) -> None:
         if self._file is not None:
@@ -237,12 +212,10 @@ class _RunFiles:
         else:
             # Object stores cannot append: rewrite the whole file, then move it
             # over the old one (a crash in between leaves the old one intact).
-            import tensorflow as tf
-
             tmp = self.timeline_path + ".tmp"
-            with tf.io.gfile.GFile(tmp, "w") as f:
+            with self._gfile.GFile(tmp, "w") as f:
                 f.write("".join(self._lines))
-            tf.io.gfile.rename(tmp, self.timeline_path, overwrite=True)
+            self._gfile.rename(tmp, self.timeline_path, overwrite=True)
         if self._events is not None:
             self._events.flush()
 

@@ -3,11 +3,48 @@
 TensorBoard's `tensorboard.compat.tf` loads the real TensorFlow whenever it is
 installed (seconds of start-up, hundreds of MiB, and on a GPU machine its CUDA
 libraries, inside a JAX run); its stub `gfile` reads and writes local paths and
-every fsspec file system (`gs://` with gcsfs installed) without it.
+every fsspec file system (`gs://` with gcsfs installed) without it. It has no
+`rename`: `gfile` here is the stub with one added, through fsspec for remote paths.
 
 Contract: as `backends/tensorflow/storage.py`.
 """
 
-from tensorboard.compat.tensorflow_stub.io import gfile
+from __future__ import annotations
 
-__all__ = ["gfile"]
+import os
+import types
+
+from tensorboard.compat.tensorflow_stub.io import gfile as _stub
+
+
+def _rename(src: str, dst: str, overwrite: bool = False) -> None:
+    if not overwrite and _stub.exists(dst):
+        raise FileExistsError(dst)
+    if "://" not in src:
+        os.replace(src, dst)
+        return
+    import fsspec
+
+    fs, src_path = fsspec.core.url_to_fs(src)
+    fs.mv(src_path, fsspec.core.url_to_fs(dst)[1])
+
+
+gfile = types.SimpleNamespace(GFile=_stub.GFile, exists=_stub.exists,
+                              makedirs=_stub.makedirs, rename=_rename)
+
+
+def remote_path_problem(path: str) -> str | None:
+    scheme = path.split("://", 1)[0]
+    try:
+        import fsspec
+    except ImportError:
+        return ("remote paths are written through fsspec here (no TensorFlow on JAX), and "
+                "fsspec is not installed: pip install fsspec (and gcsfs for gs://)")
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as err:
+        return f"fsspec cannot write {scheme}:// paths here ({err})"
+    return None
+
+
+__all__ = ["gfile", "remote_path_problem"]
