@@ -123,3 +123,21 @@ def test_set_variable_value_keeps_the_sharding():
     np.testing.assert_array_equal(np.asarray(variable.value), np.asarray(kernel_like))
     with pytest.raises(ValueError, match="shape"):
         jax_compat.set_variable_value(variable, np.zeros((2, 2), "float32"))
+
+
+def test_memory_analysis_reads_the_compiled_step_and_refuses_none():
+    compiled = jax.jit(lambda a: (a @ a.T).sum()).lower(jnp.ones((64, 32))).compile()
+    stats = jax_compat.memory_analysis(compiled)
+    assert stats.argument_size_in_bytes == 64 * 32 * 4
+
+    class NoAnalysis:
+        def memory_analysis(self):
+            return None
+
+    with pytest.raises(RuntimeError, match="memory_analysis\\(\\) returned None"):
+        jax_compat.memory_analysis(NoAnalysis())
+
+
+def test_backends_initialized():
+    jax.devices()  # the suite has started JAX's backends by now; make sure
+    assert jax_compat.backends_initialized() is True

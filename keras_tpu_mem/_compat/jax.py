@@ -15,27 +15,41 @@ import contextlib
 def shard_map(fn, *, mesh, in_specs, out_specs, manual_axes):
     """`fn` mapped over the `manual_axes` of `mesh`; its other axes stay automatic.
 
-    jax >= 0.7 (checked: 0.10.2): `jax.shard_map(..., axis_names=manual_axes,
-    check_vma=False)`. Older jax (0.4.36 is the floor of the `[jax]` extra):
-    `jax.experimental.shard_map.shard_map(..., check_rep=False, auto=<the other
-    axes>)` (that spelling is deprecated since 0.8; not exercised by the tests
-    here, which run on 0.10.2). `check_vma`/`check_rep` are off because the
-    engine makes every replicated output replicated itself (a `psum`/`pmean`/
-    `pmax` after the loop) and the loop carries values that start replicated
-    and become per-device.
+    jax >= 0.7 (the floor of the `[jax]` extra; checked: 0.10.2):
+    `jax.shard_map(..., axis_names=manual_axes, check_vma=False)`. The older
+    `jax.experimental.shard_map` spelling (`check_rep=`, `auto=`) is not used:
+    its `auto=` was removed in jax 0.8. `check_vma` is off because the engine
+    makes every replicated output replicated itself (a `psum`/`pmean`/`pmax`
+    after the loop) and the loop carries values that start replicated and become
+    per-device.
     """
     import jax
 
-    manual = frozenset(manual_axes)
     public = getattr(jax, "shard_map", None)
-    if public is not None:
-        return public(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                      axis_names=manual, check_vma=False)
-    from jax.experimental.shard_map import shard_map as experimental
+    if public is None:
+        raise RuntimeError(
+            f"keras_tpu_mem needs jax >= 0.7 (jax.shard_map); this is jax {jax.__version__}. "
+            'pip install -U "keras-tpu-mem[jax]".')
+    return public(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                  axis_names=frozenset(manual_axes), check_vma=False)
 
-    auto = frozenset(mesh.axis_names) - manual
-    return experimental(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                        check_rep=False, auto=auto)
+
+def memory_analysis(compiled):
+    """`compiled.memory_analysis()` of a `jax.stages.Compiled`, never None.
+
+    jax 0.4.36-0.10.2 return an object with `argument_size_in_bytes`,
+    `output_size_in_bytes`, `alias_size_in_bytes`, `temp_size_in_bytes`,
+    `generated_code_size_in_bytes`; jax's docs allow None (a backend or runtime
+    without the analysis, which newer jax may return): then a clear error
+    instead of an AttributeError inside the planner."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(
+            "XLA gave no memory analysis for the compiled step on this JAX backend "
+            "(jax.stages.Compiled.memory_analysis() returned None), so keras_tpu_mem "
+            "cannot say how much memory it needs here. Plan on a backend that reports it "
+            "(TPU, GPU, CPU).")
+    return stats
 
 
 # --------------------------------------------------------- Keras distribution
@@ -166,14 +180,18 @@ def distribute_data(data):
 # ---------------------------------------------------------------- devices
 def backends_initialized() -> bool:
     """Whether JAX has started its device backends, after which XLA_FLAGS such as
-    the host device count no longer apply (jax 0.4.36-0.10.2:
-    `jax._src.xla_bridge._backends`, empty until the first device query)."""
+    the host device count no longer apply (jax >= 0.4.36:
+    `jax._src.xla_bridge.backends_are_initialized()`; older: the private
+    `_backends` dict, empty until the first device query)."""
     import sys
 
     if "jax" not in sys.modules:
         return False
     from jax._src import xla_bridge
 
+    initialized = getattr(xla_bridge, "backends_are_initialized", None)
+    if initialized is not None:
+        return bool(initialized())
     return bool(getattr(xla_bridge, "_backends", {}))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.planning.specs import _check_model, _dtype_size, infer_data_specs
 
@@ -184,7 +185,7 @@ class JaxCompiler:
         if cached is None or (hlo_text and not cached.hlo_text):
             micro = _micro_batches(model, features, global_batch // shards)
             compiled = compile_jax_step(model, xs, ys, features)
-            stats = compiled.memory_analysis()
+            stats = jax_compat.memory_analysis(compiled)
             text = compiled.as_text() if hlo_text else ""
             state = _state_structs(model, distribution)
             batch = _batch_structs(distribution, xs, ys)
