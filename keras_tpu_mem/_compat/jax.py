@@ -177,6 +177,32 @@ def distribute_data(data):
     return _distribute_data(data)
 
 
+def super_batch_steps(model, data) -> list | None:
+    """The steps' batches in one train-function call's `data`, or None where `data`
+    is one step's batch.
+
+    Keras <= 3.15 (JAX): the epoch iterator yields one batch per `next()`, and a
+    train function with `steps_per_execution = N` pulls N of them. Keras 3.16
+    (checked: keras-nightly 3.16.0.dev2026102704) yields one *super batch* per
+    call when N > 1: the N batches stacked on a new leading axis (laid out with
+    the batch on the distribution's batch axis), or at an epoch's end a
+    `keras.src.trainers.data_adapters.data_adapter_utils.PartialBatchList` of
+    the remaining batches.
+    """
+    try:
+        from keras.src.trainers.data_adapters.data_adapter_utils import PartialBatchList
+    except ImportError:  # Keras <= 3.15: no super batches
+        return None
+    if isinstance(data, PartialBatchList):
+        return list(data)
+    if int(model.steps_per_execution) <= 1:
+        return None
+    import keras
+
+    steps = keras.tree.flatten(data)[0].shape[0]
+    return [keras.tree.map_structure(lambda x, i=i: x[i], data) for i in range(steps)]
+
+
 # ---------------------------------------------------------------- devices
 def backends_initialized() -> bool:
     """Whether JAX has started its device backends, after which XLA_FLAGS such as

@@ -138,7 +138,9 @@ class JaxStep(PulledMicroBatchSteps):
         """
         state, iterator = args[0], args[1]
         first = next(iterator)
-        return _leading_dim(first), (state, itertools.chain([first], iterator), *args[2:])
+        steps = jax_compat.super_batch_steps(self.model, first)
+        size = _leading_dim(steps[0] if steps else first)
+        return size, (state, itertools.chain([first], iterator), *args[2:])
 
     # --------------------------------------------------------- loss and grads
     def _loss(self, features, trainable, non_trainable, metrics_vars, optimizer_vars, x, y,

@@ -98,7 +98,14 @@ def multi_step_train_function(model, engine, step, default_count, on_error=None)
         synced = jax_compat.state_synced(model)
         given = state
         try:
-            logs, state = step(state, next(iterator))
+            data = next(iterator)
+            # Keras >= 3.16 hands one call's steps over at once (a super batch).
+            steps = jax_compat.super_batch_steps(model, data)
+            if steps is not None:
+                for data in steps:
+                    logs, state = step(state, data)
+                return logs, state
+            logs, state = step(state, data)
             for _ in range(count - 1):
                 try:
                     data = next(iterator)
