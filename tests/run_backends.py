@@ -68,16 +68,33 @@ def combined_line(runs: list[dict[str, int]]) -> str:
     return f"{line}, {skipped} skipped" if skipped else line
 
 
+def backend_of(path: str) -> str | None:
+    """The backend a test file of this suite belongs to (None for a folder or a file
+    outside tests/: both)."""
+    file = pathlib.Path(path.split("::")[0]).resolve()
+    if file.is_dir() or TESTS not in file.parents:
+        return None
+    return "jax" if file.stem.endswith("_jax") else "tensorflow"
+
+
 def installed(backend: str) -> bool:
     return importlib.util.find_spec(BACKENDS[backend][0]) is not None
 
 
 def run_backend(backend: str, pytest_args: list[str]) -> tuple[int, str]:
-    """Runs pytest for one backend, echoing its output; returns (exit code, output)."""
-    has_path = any(not a.startswith("-") and pathlib.Path(a.split("::")[0]).exists()
-                   for a in pytest_args)
-    command = [sys.executable, "-m", "pytest", "-q", *([] if has_path else [str(TESTS)]),
-               *pytest_args]
+    """Runs pytest for one backend, echoing its output; returns (exit code, output).
+
+    Test files named in `pytest_args` go to their own backend only (`*_jax.py` to
+    JAX, other modules to TensorFlow; pytest would collect a named file whatever
+    conftest ignores); a backend left with none of the named files is not run
+    (exit code 5, "no tests ran")."""
+    paths = [a for a in pytest_args
+             if not a.startswith("-") and pathlib.Path(a.split("::")[0]).exists()]
+    mine = [a for a in paths if backend_of(a) in (None, backend)]
+    if paths and not mine:
+        return 5, "no tests ran in 0.00s\n"
+    rest = [a for a in pytest_args if a not in paths]
+    command = [sys.executable, "-m", "pytest", "-q", *(mine or [str(TESTS)]), *rest]
     env = _environment(backend)
     chunks = []
     with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -129,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run_backends: KERAS_BACKEND={backend} python -m pytest -q ...", flush=True)
         start = time.monotonic()
         code, output = run_backend(backend, pytest_args)
+        if code == 5 and output.startswith("no tests ran in 0.00s"):
+            summaries.append(f"{backend}: none of the named test files is its")
+            continue
         counts = parse_summary(output)
         ran = sum(counts.get(k, 0) for k in ("passed", "failed", "errors", "skipped",
                                               "xfailed", "xpassed"))
