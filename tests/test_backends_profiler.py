@@ -61,3 +61,14 @@ def test_sweep_inputs_and_out_of_memory_errors():
     assert profiler.is_out_of_memory(oom) is True
     assert profiler.is_out_of_memory(tf.errors.InternalError(None, None, "other")) is False
     assert profiler.is_out_of_memory(ValueError("RESOURCE_EXHAUSTED")) is False
+
+
+def test_xspace_class_is_tensorflows_own_then_the_schema(monkeypatch):
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    from keras_tpu_mem._compat import jax_profiler
+    from keras_tpu_mem._compat import profiler as profiler_compat
+
+    assert profiler.xspace_class() is xplane_pb2.XSpace
+    monkeypatch.setattr(profiler_compat, "xspace_class", lambda: None)
+    assert profiler.xspace_class() is jax_profiler.xspace_class()

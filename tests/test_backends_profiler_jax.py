@@ -9,6 +9,7 @@ from helpers_jax import make_distribution, scope
 from profiling_models import capture_twice, small_model
 
 from keras_tpu_mem import backends, devices
+from keras_tpu_mem._compat import jax_profiler
 from keras_tpu_mem.backends.jax import profiler
 
 
@@ -43,3 +44,7 @@ def test_sweep_inputs_and_out_of_memory_errors():
         "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17179869184 bytes."))
     assert not profiler.is_out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: other"))
     assert not profiler.is_out_of_memory(ValueError("RESOURCE_EXHAUSTED"))
+
+
+def test_xspace_class_is_the_tensorflow_free_schema():
+    assert profiler.xspace_class() is jax_profiler.xspace_class()

@@ -6,6 +6,12 @@ The summary (step time, XLA peak heap) needs xprof's converters, the
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 from profiling_models import messages, random_data, small_model, xplanes
 
@@ -65,3 +71,35 @@ def test_without_a_converter_the_summary_is_a_note(tmp_path, monkeypatch, ktm_re
     assert summary.step_time_ms is None and summary.peak_heap_bytes is None
     assert 'pip install "keras-tpu-mem[profile]"' in summary.note
     assert len([m for m in messages(ktm_records) if "needs xprof's converters" in m]) == 1
+
+
+_SUMMARY_WITHOUT_TF = textwrap.dedent("""
+    import json, os, sys
+    os.environ["KERAS_BACKEND"] = "jax"
+    import keras
+    import numpy as np
+    from keras_tpu_mem.profiling import ProfileWindow
+    x = np.random.default_rng(0).normal(size=(128, 16)).astype("float32")
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    window = ProfileWindow(sys.argv[1], steps=(2, 4))
+    model.fit(x, np.arange(128) % 4, batch_size=16, epochs=1, verbose=0, callbacks=[window])
+    (summary,) = window.summaries
+    print("RESULT " + json.dumps({"tensorflow": "tensorflow" in sys.modules,
+                                  "module": summary.module_name}))
+""")
+
+
+@needs_converter
+def test_the_summary_never_imports_tensorflow(tmp_path):
+    """The summary tells the modules that ran with the TF-free XSpace class
+    (TensorFlow's own, where installed, would load all of TensorFlow)."""
+    done = subprocess.run([sys.executable, "-c", _SUMMARY_WITHOUT_TF, str(tmp_path)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, KERAS_BACKEND="jax"),
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result["tensorflow"] is False
+    assert "train_step" in result["module"]  # only the module that ran in the window

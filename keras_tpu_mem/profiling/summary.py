@@ -28,8 +28,7 @@ import re
 import shutil
 import tempfile
 
-from keras_tpu_mem import devices
-from keras_tpu_mem._compat import jax_profiler as jax_profiler_compat
+from keras_tpu_mem import backends, devices
 from keras_tpu_mem._compat import profiler as profiler_compat
 from keras_tpu_mem._utils import logger
 
@@ -154,9 +153,9 @@ def executed_xla_modules(xplane_path: str) -> set[str] | None:
     events carry an `hlo_module` stat (XLA:CPU thunks, TPU/GPU ops) and device
     planes have an "XLA Modules" line; those name the modules that ran.
     """
-    # TensorFlow's own XSpace class where TensorFlow is installed, else the same
-    # schema built from protobuf (a JAX-only environment).
-    xspace_cls = profiler_compat.xspace_class() or jax_profiler_compat.xspace_class()
+    # The backend's XSpace class: on JAX never TensorFlow's, whose import would
+    # load all of TensorFlow into a JAX run.
+    xspace_cls = backends.current("executed_xla_modules").profiler.xspace_class()
     if xspace_cls is None:
         return None
     space = xspace_cls()

@@ -10,6 +10,8 @@ import sys
 
 import jax
 
+from keras_tpu_mem._compat import jax_profiler as jax_profiler_compat
+
 
 def start(log_dir: str) -> bool:
     try:
@@ -69,3 +71,9 @@ def is_out_of_memory(error: BaseException) -> bool:
     # TensorFlow's own error; looked up, never imported, on JAX.
     errors = getattr(sys.modules.get("tensorflow"), "errors", None)
     return errors is not None and isinstance(error, errors.ResourceExhaustedError)
+
+
+def xspace_class():
+    # The schema built from protobuf, never TensorFlow's generated class: where
+    # TensorFlow is installed, importing that would load all of it into a JAX run.
+    return jax_profiler_compat.xspace_class()

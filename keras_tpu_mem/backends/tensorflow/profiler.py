@@ -20,12 +20,15 @@ Contract (same functions in `backends/jax/profiler.py`), used by
   backend does not train on (`kind` as `monitoring.input_rate` names it).
 * `is_out_of_memory(error) -> bool`: whether `error` is the framework's
   out-of-memory error.
+* `xspace_class()`: the protobuf class that parses a capture's
+  `*.xplane.pb` (`XSpace`), or None where none can be had.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_tpu_mem._compat import jax_profiler as jax_profiler_compat
 from keras_tpu_mem._compat import profiler as profiler_compat
 
 
@@ -80,3 +83,9 @@ def check_sweep_input(kind: str, data) -> None:
 
 def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, tf.errors.ResourceExhaustedError)
+
+
+def xspace_class():
+    # TensorFlow's own generated class (TensorFlow is loaded already), else the
+    # same schema built from protobuf.
+    return profiler_compat.xspace_class() or jax_profiler_compat.xspace_class()
