@@ -219,22 +219,6 @@ def _connect_tpu(address: str, reason: str):
         ) from err
 
 
-def replica_device_names(strategy) -> list[str]:
-    """Full device names of a strategy's replicas, e.g. `/job:.../device:CPU:1`.
-
-    The default strategy has no replica list: its one replica runs where
-    TensorFlow places ops, the first GPU if there is one, else the CPU.
-    """
-    try:
-        names = list(strategy.extended.worker_devices)
-    except (RuntimeError, AttributeError, NotImplementedError):
-        names = []
-    if not names:
-        gpus = tf.config.list_logical_devices("GPU")
-        names = [gpus[0].name] if gpus else ["/device:CPU:0"]
-    return names
-
-
 class Placement:
     """A `tf.distribute.Strategy` and what `TPUStrategyWrapper` reads off it.
 
@@ -292,8 +276,13 @@ class Placement:
 
     def replica_devices(self) -> list[tuple[str, str]]:
         """`(short name, short name)` per replica, e.g. `("CPU:1", "CPU:1")`."""
-        names = [n.split("device:")[-1] for n in replica_device_names(self.strategy)]
-        return [(name, name) for name in names]
+        try:
+            names = [n.split("device:")[-1] for n in self.strategy.extended.worker_devices]
+        except (RuntimeError, AttributeError, NotImplementedError):
+            names = []
+        # The default strategy lists no replica; `place` builds it only where
+        # there is no GPU, so its one replica runs on the CPU.
+        return [(name, name) for name in names or ["CPU:0"]]
 
     def batches(self, dataset, global_batch_size: int, drop_remainder: bool):
         """A batched, prefetched `tf.data.Dataset` of `dataset`'s single examples."""
