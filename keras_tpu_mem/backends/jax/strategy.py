@@ -113,7 +113,8 @@ def mirrored_logical_cpus(count: int):
 
 def place(tpu: str | None, logical_cpus: int | None, *, layout_map=None, mesh_shape=None,
           multi_host: bool = False, coordinator_address: str | None = None,
-          num_processes: int | None = None, process_id: int | None = None) -> Placement:
+          num_processes: int | None = None, process_id: int | None = None,
+          **unexpected) -> Placement:
     """Lays a `keras.distribution` over `jax.devices()` (see the module docstring).
 
     Args:
@@ -132,7 +133,14 @@ def place(tpu: str | None, logical_cpus: int | None, *, layout_map=None, mesh_sh
             processes).
         coordinator_address, num_processes, process_id: Passed to
             `keras.distribution.initialize` with `multi_host=True`.
+
+    Raises:
+        TypeError: an argument of neither backend, or a `layout_map` that is
+            not a `LayoutMap`.
     """
+    if unexpected:
+        raise TypeError(f"TPUStrategyWrapper got unexpected keyword arguments: "
+                        f"{', '.join(sorted(unexpected))}.")
     if tpu not in (None, "local"):
         raise ValueError(
             f"tpu={tpu!r}: on the JAX backend the TPU is not addressed by name: JAX "

@@ -11,7 +11,8 @@ Contract (same in `backends/jax/strategy.py`):
 
 * `place(tpu, logical_cpus, **options)` builds what the backend distributes
   with and returns a `Placement`; `logical_cpus` is already checked (None or a
-  positive int). Options of the other backend raise `TypeError`.
+  positive int). Options of the other backend, or of neither, raise
+  `TypeError`.
 * `Placement`: `strategy` (what `scope()` enters), `distribution` (JAX's
   `keras.distribution`; `AttributeError` on TensorFlow), `kind` (`"TPU"`,
   `"GPU"`, `"CPU"`), `reason` (why, in words), `multi_host`, `num_replicas`,
@@ -150,7 +151,7 @@ def configure_logical_cpus(count: int) -> None:
         ) from err
 
 
-def check_options(options: Mapping) -> None:
+def _check_options(options: Mapping) -> None:
     """Refuses the JAX backend's keyword arguments (they describe a `keras.distribution`).
 
     Raises:
@@ -175,7 +176,7 @@ def place(tpu: str | None, logical_cpus: int | None, **options) -> Placement:
         RuntimeError: a TPU was asked for but cannot be reached: training
             silently on the CPU instead would be the worse surprise.
     """
-    check_options(options)
+    _check_options(options)
     address, reason = resolve_tpu_address(tpu)
     if address is not None:
         return Placement(_connect_tpu(address, reason), "TPU", reason)
