@@ -1,0 +1,308 @@
+"""`TPUStrategyWrapper` on TensorFlow: find the accelerator, build the `tf.distribute` strategy.
+
+Resolution order: an explicit `tpu` (a name, a `grpc://` address or
+`"local"`), then the `TPU_NAME` / Colab (`COLAB_TPU_ADDR`) environment, then a
+local TPU VM, each giving `tf.distribute.TPUStrategy`; else one or more GPUs
+give `MirroredStrategy`; else `logical_cpus=N` gives `MirroredStrategy` over N
+logical CPUs (the CPU stand-in for a multi-replica TPU); else the default
+strategy.
+
+Contract (same in `backends/jax/strategy.py`):
+
+* `place(tpu, logical_cpus, **options)` builds what the backend distributes
+  with and returns a `Placement`; `logical_cpus` is already checked (None or a
+  positive int). Options of the other backend, or of neither, raise
+  `TypeError`.
+* `Placement`: `strategy` (what `scope()` enters), `distribution` (JAX's
+  `keras.distribution`; `AttributeError` on TensorFlow), `kind` (`"TPU"`,
+  `"GPU"`, `"CPU"`), `reason` (why, in words), `multi_host`, `num_replicas`,
+  `scope()`, `device_name()` (the device's own name, e.g. `"TPU v3"`),
+  `accelerator_type()` (a TPU VM's `TPU_ACCELERATOR_TYPE`, or None),
+  `bytes_limit()` (a runtime's own capacity figure, or None),
+  `replica_devices()` (`(short name, what `keras_tpu_mem.devices` reads)` per
+  replica of this process), `batches(dataset, global_batch_size,
+  drop_remainder)`, `announcement(device_name)` (the log line without its
+  reason) and `repr_fields` (what `repr` adds before the kind).
+* `mirrored_logical_cpus(count)`: the process-wide `MirroredStrategy` over
+  `count` logical CPUs (TensorFlow; JAX raises).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import tensorflow as tf
+
+from keras_tpu_mem._utils import check_positive_int, logger
+
+# A TPU VM exposes its chips as /dev/accel* (v2-v4) or /dev/vfio/* (v5e, v6e);
+# TPU VM images also export TPU_ACCELERATOR_TYPE.
+_LOCAL_TPU_PATHS = ("/dev/accel0", "/dev/vfio/0")
+
+# The keyword arguments of the JAX backend's wrapper (keras.distribution).
+_JAX_ONLY_ARGUMENTS = frozenset(
+    {"layout_map", "mesh_shape", "multi_host", "coordinator_address", "num_processes",
+     "process_id"})
+
+
+def resolve_tpu_address(
+    tpu: str | None,
+    environ: Mapping[str, str] | None = None,
+    local_tpu_present: bool | None = None,
+) -> tuple[str | None, str]:
+    """Decides which TPU to connect to, without touching TensorFlow.
+
+    Order: the explicit `tpu` argument, then `TPU_NAME`, then `COLAB_TPU_ADDR`
+    (Colab's legacy TPU runtime, a grpc host:port; prefixed with `grpc://`),
+    then a local TPU VM (`"local"`).
+
+    Returns:
+        `(address, reason)`: the address for `TPUClusterResolver` (or `None`
+        when no TPU is indicated) and a sentence saying why.
+
+    Raises:
+        TypeError: if `tpu` is not a str or None.
+        ValueError: if `tpu` is an empty string.
+
+    Example:
+
+    ```python
+    from keras_tpu_mem.backends.tensorflow.strategy import resolve_tpu_address
+
+    resolve_tpu_address(None, {"COLAB_TPU_ADDR": "10.0.0.2:8470"}, False)
+    # ('grpc://10.0.0.2:8470', "COLAB_TPU_ADDR='10.0.0.2:8470' is set (Colab)")
+    ```
+    """
+    if tpu is not None and not isinstance(tpu, str):
+        raise TypeError(
+            "`tpu` must be None, 'local', a TPU name or a 'grpc://host:port' address; "
+            f"got {type(tpu).__name__}."
+        )
+    if tpu is not None:
+        if not tpu.strip():
+            raise ValueError(
+                "`tpu` must be None, 'local', a TPU name or a 'grpc://host:port' "
+                "address; got an empty string."
+            )
+        return tpu.strip(), f"tpu={tpu.strip()!r} was passed"
+    environ = os.environ if environ is None else environ
+    if environ.get("TPU_NAME"):
+        return environ["TPU_NAME"], f"TPU_NAME={environ['TPU_NAME']!r} is set"
+    if environ.get("COLAB_TPU_ADDR"):
+        address = environ["COLAB_TPU_ADDR"]
+        if not address.startswith("grpc://"):
+            address = "grpc://" + address
+        return address, f"COLAB_TPU_ADDR={environ['COLAB_TPU_ADDR']!r} is set (Colab)"
+    if local_tpu_present is None:
+        local_tpu_present = bool(environ.get("TPU_ACCELERATOR_TYPE")) or any(
+            os.path.exists(p) for p in _LOCAL_TPU_PATHS
+        )
+    if local_tpu_present:
+        return "local", "this machine is a TPU VM"
+    return None, "no TPU named (tpu=None, no TPU_NAME or COLAB_TPU_ADDR, not a TPU VM)"
+
+
+# One strategy per accelerator set and process. Re-running a notebook cell must
+# not build a second TPUStrategy (initialize_tpu_system would wipe the TPU's
+# memory under the first one's variables), and on TensorFlow 2.19 two
+# MirroredStrategy objects over the same devices can mix up their collective
+# all-reduce keys ("Shape mismatch in the collective instance").
+_STRATEGIES: dict[tuple, object] = {}
+
+
+def _shared_strategy(key: tuple, factory):
+    if key not in _STRATEGIES:
+        _STRATEGIES[key] = factory()
+    return _STRATEGIES[key]
+
+
+def mirrored_logical_cpus(count: int):
+    """The process-wide MirroredStrategy over `count` logical CPUs (configured if needed)."""
+    configure_logical_cpus(count)
+    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+    return _shared_strategy(("CPU", tuple(cpus)), lambda: tf.distribute.MirroredStrategy(cpus))
+
+
+def configure_logical_cpus(count: int) -> None:
+    """Splits the host CPU into `count` logical devices for MirroredStrategy.
+
+    Must run before TensorFlow initialises its devices (before the first op or
+    device query). Calling it again with the same count is a no-op.
+
+    Raises:
+        RuntimeError: if TensorFlow is already initialised with another layout.
+    """
+    check_positive_int(count, "logical_cpus")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
+    try:
+        tf.config.set_logical_device_configuration(cpu, wanted)
+    except RuntimeError as err:
+        existing = tf.config.list_logical_devices("CPU")
+        if len(existing) == count:
+            return
+        raise RuntimeError(
+            f"logical_cpus={count} needs TensorFlow uninitialised, but it already "
+            f"runs with {len(existing)} logical CPU(s). Create "
+            f"TPUStrategyWrapper(logical_cpus={count}) before any TensorFlow op, "
+            "model or dataset (first thing in the process, or restart the "
+            "runtime in Colab)."
+        ) from err
+
+
+def _check_options(options: Mapping) -> None:
+    """Refuses the JAX backend's keyword arguments (they describe a `keras.distribution`).
+
+    Raises:
+        TypeError: naming the JAX-only arguments that were passed.
+    """
+    jax_only = sorted(set(options) & _JAX_ONLY_ARGUMENTS)
+    if jax_only:
+        raise TypeError(
+            f"TPUStrategyWrapper: {', '.join(jax_only)} belong to the JAX backend "
+            "(keras.distribution); on TensorFlow use tf.distribute (tpu=..., "
+            "logical_cpus=...).")
+    if options:
+        raise TypeError(f"TPUStrategyWrapper got unexpected keyword arguments: "
+                        f"{', '.join(sorted(options))}.")
+
+
+def place(tpu: str | None, logical_cpus: int | None, **options) -> Placement:
+    """Connects the TPU, or mirrors over GPUs or logical CPUs (see the module docstring).
+
+    Raises:
+        TypeError: JAX-only keyword arguments, or a `tpu` that is not a str.
+        RuntimeError: a TPU was asked for but cannot be reached: training
+            silently on the CPU instead would be the worse surprise.
+    """
+    _check_options(options)
+    address, reason = resolve_tpu_address(tpu)
+    if address is not None:
+        return Placement(_connect_tpu(address, reason), "TPU", reason)
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if logical_cpus is not None:
+            logger.warning(
+                "TPUStrategyWrapper: logical_cpus=%d ignored because %d GPU(s) "
+                "were found; GPUs take precedence.", logical_cpus, len(gpus)
+            )
+        try:
+            details = tf.config.experimental.get_device_details(gpus[0])
+        except Exception:  # details are cosmetic; never fail on them
+            details = {}
+        strategy = _shared_strategy(("GPU",), tf.distribute.MirroredStrategy)
+        return Placement(strategy, "GPU", f"{reason}; found {len(gpus)} GPU(s)",
+                         gpu_name=details.get("device_name"))
+    if logical_cpus is not None:
+        return Placement(mirrored_logical_cpus(logical_cpus), "CPU",
+                         f"{reason}; no GPU; logical_cpus={logical_cpus} requested")
+    return Placement(tf.distribute.get_strategy(), "CPU", f"{reason}; no GPU")
+
+
+def _connect_tpu(address: str, reason: str):
+    def connect():
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
+        if address != "local":
+            tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        return tf.distribute.TPUStrategy(resolver)
+
+    try:
+        return _shared_strategy(("TPU", address), connect)
+    except Exception as err:  # TF raises many types here; re-raise with context.
+        raise RuntimeError(
+            f"A TPU was requested ({reason}) but connecting to {address!r} failed: "
+            f"{err}. Check that this runtime has a TPU and that the TensorFlow "
+            "build supports it (TPU VMs need `tensorflow-tpu` or a TPU-enabled "
+            "TensorFlow; see the README). Unset TPU_NAME / COLAB_TPU_ADDR to "
+            "train without a TPU."
+        ) from err
+
+
+class Placement:
+    """A `tf.distribute.Strategy` and what `TPUStrategyWrapper` reads off it.
+
+    Args:
+        strategy: The strategy that was built.
+        kind: `"TPU"`, `"GPU"` or `"CPU"`.
+        reason: Why, in words.
+        gpu_name: The first GPU's name from its device details, where known.
+    """
+
+    multi_host = False
+    repr_fields: tuple[str, ...] = ()
+
+    def __init__(self, strategy, kind: str, reason: str, *, gpu_name: str | None = None):
+        self.strategy = strategy
+        self.kind = kind
+        self.reason = reason
+        self._gpu_name = gpu_name
+
+    @property
+    def distribution(self):
+        raise AttributeError(
+            "TPUStrategyWrapper.distribution is the JAX backend's keras.distribution; on "
+            "TensorFlow the wrapper builds a tf.distribute strategy: use .strategy.")
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in sync (TPU cores or chips, GPUs, logical CPUs)."""
+        return int(self.strategy.num_replicas_in_sync)
+
+    def scope(self):
+        return self.strategy.scope()
+
+    def accelerator_type(self) -> str | None:
+        """The TPU VM's `TPU_ACCELERATOR_TYPE` (e.g. `"v4-8"`) where it says one."""
+        return os.environ.get("TPU_ACCELERATOR_TYPE") if self.kind == "TPU" else None
+
+    def device_name(self) -> str:
+        if self.kind == "TPU":
+            for device in tf.config.list_logical_devices("TPU")[:1]:
+                try:
+                    kind = tf.config.experimental.get_device_details(device).get("device_kind")
+                except Exception:
+                    kind = None
+                if kind:
+                    return kind
+            return "TPU (generation unknown)"
+        if self.kind == "GPU":
+            return self._gpu_name or "GPU"
+        return "CPU"
+
+    def bytes_limit(self) -> int | None:
+        """TensorFlow's allocators tell no capacity: the wrapper uses the tables."""
+        return None
+
+    def replica_devices(self) -> list[tuple[str, str]]:
+        """`(short name, short name)` per replica, e.g. `("CPU:1", "CPU:1")`."""
+        try:
+            names = [n.split("device:")[-1] for n in self.strategy.extended.worker_devices]
+        except (RuntimeError, AttributeError, NotImplementedError):
+            names = []
+        # The default strategy lists no replica; `place` builds it only where
+        # there is no GPU, so its one replica runs on the CPU.
+        return [(name, name) for name in names or ["CPU:0"]]
+
+    def batches(self, dataset, global_batch_size: int, drop_remainder: bool):
+        """A batched, prefetched `tf.data.Dataset` of `dataset`'s single examples."""
+        if not isinstance(dataset, tf.data.Dataset):
+            try:
+                dataset = tf.data.Dataset.from_tensor_slices(dataset)
+            except (TypeError, ValueError) as err:
+                raise TypeError(
+                    "`dataset` must be a tf.data.Dataset of single examples, or arrays / "
+                    f"a tuple or dict of arrays; got {type(dataset).__name__}."
+                ) from err
+        if self.kind == "TPU" and not drop_remainder:
+            logger.warning(
+                "distribute(drop_remainder=False) on TPU: the last, smaller batch has "
+                "another shape, so XLA compiles a second step program for it."
+            )
+        dataset = dataset.batch(global_batch_size, drop_remainder=drop_remainder)
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+    def announcement(self, device_name: str) -> str:
+        return (f"TPUStrategyWrapper: {type(self.strategy).__name__} with "
+                f"{self.num_replicas} replica(s) on {device_name}")
