@@ -23,16 +23,6 @@ _SOURCE_WORDS = {
 }
 
 
-def mirrored_logical_cpus(count: int):
-    """The process-wide `tf.distribute.MirroredStrategy` over `count` logical CPUs.
-
-    TensorFlow only (the test harness's mirrored case); on JAX it raises and
-    `TPUStrategyWrapper(logical_cpus=N)` gives a `DataParallel` over N host
-    devices.
-    """
-    return backends.current("mirrored_logical_cpus").strategy.mirrored_logical_cpus(count)
-
-
 class TPUStrategyWrapper:
     """Finds the best accelerator and builds what distributes the model over it.
 

@@ -48,9 +48,10 @@ import pytest  # noqa: E402
 if BACKEND == "tensorflow":
     import tensorflow as tf  # noqa: E402
 
-    from keras_tpu_mem.strategy import mirrored_logical_cpus  # noqa: E402
+    from keras_tpu_mem.backends.tensorflow.strategy import mirrored_logical_cpus  # noqa: E402
 
-    # One MirroredStrategy for the whole session (see strategy._STRATEGIES for why).
+    # One MirroredStrategy for the whole session (backends/tensorflow/strategy.py,
+    # `_STRATEGIES`, says why).
     MIRRORED = mirrored_logical_cpus(2)
 
 # The matrix every feature passes on CPU (docs/testing.md):
