@@ -12,8 +12,8 @@ import os
 
 from keras_tpu_mem.devices import GIB, format_bytes
 from keras_tpu_mem.monitoring._layout import MEMORY_SUBDIR, THROUGHPUT_SUBDIR
-from keras_tpu_mem.report.summary import _attempts_text
-from keras_tpu_mem.report.timeline import _Run
+from keras_tpu_mem.report.summary import attempts_text
+from keras_tpu_mem.report.timeline import MonitoredRun
 
 _MIB = 1024**2
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2",
@@ -261,9 +261,10 @@ def _save(fig, path):
     return path
 
 
-def _charts(run: _Run, memory, throughput, suffix: str = "") -> list[str]:
+def write_charts(run: MonitoredRun, memory, throughput, suffix: str = "") -> list[str]:
+    """Writes the memory, throughput and combined PNGs of one training run; returns their paths."""
     written = []
-    which = (f"training run {run.index} of {run.count} ({_attempts_text(run.attempts)})"
+    which = (f"training run {run.index} of {run.count} ({attempts_text(run.attempts)})"
              if run.count > 1 else "")
     if memory:
         fig, (ax,) = _figure(1, 4.2)

@@ -19,7 +19,7 @@ from keras_tpu_mem.monitoring._layout import (
     format_table,
     source_column,
 )
-from keras_tpu_mem.report.timeline import _Folder, _Run
+from keras_tpu_mem.report.timeline import MonitoredRun, RunFolder
 
 __all__ = ["summarize_memory", "summarize_throughput"]
 
@@ -97,7 +97,8 @@ def _fmt_rate(value):
     return "-" if value is None else f"{value:,.1f}"
 
 
-def _attempts_text(attempts: list) -> str:
+def attempts_text(attempts: list) -> str:
+    """`"fit attempt 2"` or `"fit attempts 3, 4"`: the attempts a training run is made of."""
     attempts = [a for a in attempts if a is not None]
     if not attempts:
         return "fit attempt ?"
@@ -106,7 +107,7 @@ def _attempts_text(attempts: list) -> str:
     return "fit attempts " + ", ".join(str(a) for a in attempts)
 
 
-def _folder_holdings(folder: _Folder) -> list[str]:
+def folder_holdings(folder: RunFolder) -> list[str]:
     """What a run folder holds and what it lacks."""
     holds = []
     lines = []
@@ -125,7 +126,7 @@ def _folder_holdings(folder: _Folder) -> list[str]:
     return ["holds: " + ", ".join(holds)] + lines
 
 
-def _run_holdings(folder: _Folder, run: _Run) -> list[str]:
+def _run_holdings(folder: RunFolder, run: MonitoredRun) -> list[str]:
     """What one training run lacks although its folder has the monitor's timeline."""
     lines = []
     if folder.has_memory:
@@ -163,12 +164,14 @@ def _memory_rows(memory: dict) -> list[tuple]:
     return rows
 
 
-def _run_text(folder: _Folder, run: _Run, memory: dict | None, throughput: dict | None) -> list:
+def run_text(folder: RunFolder, run: MonitoredRun, memory: dict | None,
+             throughput: dict | None) -> list:
+    """The lines that detail one training run: its holdings, memory and throughput tables."""
     records = (run.memory or []) + (run.throughput or [])
     head = (f"training run {run.index} of {run.count}" if run.count > 1 else "training run")
     if records:
         steps = [r["step"] for r in records]
-        head += f": {_attempts_text(run.attempts)}, steps {min(steps)}-{max(steps)}"
+        head += f": {attempts_text(run.attempts)}, steps {min(steps)}-{max(steps)}"
     lines = [head] + _run_holdings(folder, run)
     if memory:
         lines += ["", "memory (peak per phase and device)", format_table(_memory_rows(memory))]
@@ -194,7 +197,8 @@ def _run_text(folder: _Folder, run: _Run, memory: dict | None, throughput: dict 
     return lines
 
 
-def _runs_table(folder: _Folder, summaries: list[tuple]) -> str:
+def runs_table(folder: RunFolder, summaries: list[tuple]) -> str:
+    """The table of every training run of a folder, one row each."""
     rows = [("run", "fit attempts", "steps", "memory peak", "source", "samples/s",
              "first execution")]
     for run, memory, throughput in summaries:

@@ -156,7 +156,7 @@ def _load_json(path: str) -> dict | None:
 
 
 @dataclasses.dataclass
-class _Run:
+class MonitoredRun:
     """One training run of a folder, with what each monitor recorded of it."""
 
     dir: str
@@ -174,13 +174,13 @@ class _Run:
 
 
 @dataclasses.dataclass
-class _Folder:
+class RunFolder:
     """A run directory: which monitor folders it has, and its training runs."""
 
     dir: str
     has_memory: bool
     has_throughput: bool
-    runs: list[_Run]
+    runs: list[MonitoredRun]
 
 
 def find_runs(logdir: str) -> list[str]:
@@ -208,7 +208,8 @@ def _overlap(a: TrainingRun, b: TrainingRun) -> bool:
     return ta[0] <= tb[1] + slack and tb[0] <= ta[1] + slack
 
 
-def _load_folder(run_dir: str) -> _Folder:
+def load_folder(run_dir: str) -> RunFolder:
+    """Reads a run directory: its monitors' timelines, paired into training runs."""
     memory_path = os.path.join(run_dir, MEMORY_SUBDIR, TIMELINE_FILE)
     throughput_path = os.path.join(run_dir, THROUGHPUT_SUBDIR, TIMELINE_FILE)
     has_memory, has_throughput = os.path.exists(memory_path), os.path.exists(throughput_path)
@@ -230,7 +231,7 @@ def _load_folder(run_dir: str) -> _Folder:
     pairs.sort(key=lambda p: min(((x.times or (0.0, 0.0))[0]) for x in p if x is not None))
     runs = []
     for index, (m, t) in enumerate(pairs, start=1):
-        run = _Run(run_dir, index=index, count=len(pairs))
+        run = MonitoredRun(run_dir, index=index, count=len(pairs))
         if m is not None:
             run.memory, run.memory_attempts = m.records, m.attempts
         elif has_memory and not memory:
@@ -241,6 +242,6 @@ def _load_folder(run_dir: str) -> _Folder:
                 run.throughput_summary = summary
         runs.append(run)
     if not runs:
-        runs = [_Run(run_dir, memory=[] if has_memory else None,
+        runs = [MonitoredRun(run_dir, memory=[] if has_memory else None,
                      throughput=[] if has_throughput else None)]
-    return _Folder(run_dir, has_memory, has_throughput, runs)
+    return RunFolder(run_dir, has_memory, has_throughput, runs)

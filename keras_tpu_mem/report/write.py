@@ -6,15 +6,15 @@ import dataclasses
 import os
 
 from keras_tpu_mem.monitoring._layout import MEMORY_SUBDIR, THROUGHPUT_SUBDIR, TIMELINE_FILE
-from keras_tpu_mem.report.charts import _charts
+from keras_tpu_mem.report.charts import write_charts
 from keras_tpu_mem.report.summary import (
-    _folder_holdings,
-    _run_text,
-    _runs_table,
+    folder_holdings,
+    run_text,
+    runs_table,
     summarize_memory,
     summarize_throughput,
 )
-from keras_tpu_mem.report.timeline import _load_folder, find_runs
+from keras_tpu_mem.report.timeline import find_runs, load_folder
 
 __all__ = ["Report", "write_report"]
 
@@ -102,7 +102,7 @@ def write_report(logdir: str, *, charts: bool = True, run: int | str | None = No
             raise ImportError(
                 "keras-tpu-mem report draws with matplotlib: `pip install matplotlib`."
             ) from err
-    folders = [_load_folder(d) for d in run_dirs]
+    folders = [load_folder(d) for d in run_dirs]
     if isinstance(which, int) and not any(len(f.runs) >= which for f in folders):
         most = max(len(f.runs) for f in folders)
         raise ValueError(f"`run`={which}: no folder under {logdir!r} has that many training "
@@ -119,11 +119,11 @@ def write_report(logdir: str, *, charts: bool = True, run: int | str | None = No
             chosen = [latest]
         else:
             chosen = [which] if which <= latest else []
-        lines = [f"run folder: {folder.dir}"] + _folder_holdings(folder)
+        lines = [f"run folder: {folder.dir}"] + folder_holdings(folder)
         if latest > 1:
             lines += ["", f"{latest} training runs in this folder (a fit of a fresh model "
                           "starts one; a resumed or continued fit belongs to its run):",
-                      _runs_table(folder, summaries)]
+                      runs_table(folder, summaries)]
             if which == "latest":
                 lines.append(f"below: training run {latest} of {latest}, the latest; "
                              "keras_tpu_mem.report.write_report(LOGDIR, run=N) details and "
@@ -132,10 +132,10 @@ def write_report(logdir: str, *, charts: bool = True, run: int | str | None = No
                 lines.append(f"training run {which}: not in this folder (it has {latest})")
         for index in chosen:
             item, memory, throughput = summaries[index - 1]
-            lines += [""] + _run_text(folder, item, memory, throughput)
+            lines += [""] + run_text(folder, item, memory, throughput)
             if charts:
                 suffix = "" if index == latest or which != "all" else f"_run{index}"
-                written += _charts(item, memory, throughput, suffix)
+                written += write_charts(item, memory, throughput, suffix)
         first = summaries[(chosen or [latest])[-1] - 1]
         runs[folder.dir] = {
             "memory": first[1], "throughput": first[2],
