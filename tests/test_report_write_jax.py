@@ -20,7 +20,7 @@ from helpers_jax import make_distribution, scope
 from keras_tpu_mem import cli, devices
 from keras_tpu_mem import monitoring as mon
 from keras_tpu_mem.devices import format_bytes
-from keras_tpu_mem.report import summarize_memory, write_report
+from keras_tpu_mem.report import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DEVICE = "CPU (process RSS)"
@@ -88,34 +88,6 @@ def test_report_summary_matches_the_jax_monitor(run_dir):
     assert info["source"] == "host_rss" and info["process_wide"] is True
     assert expected["replicas"] == [f"CPU:{i}" for i in range(8)]
     assert summary["throughput"]["samples"] == 2 * 8 * 64 - 2 * 64  # 2 warm-up steps
-
-
-def test_upper_bounds_of_a_jax_allocator_read_as_such(tmp_path):
-    """Timelines from a peak counter that cannot be reset: `<=` where a phase did not raise it."""
-    def record(step, phase, peak, exact):
-        return {"step": step, "time": float(step), "phase": phase, "epoch": 0, "begin_step": 0,
-                "memory_source": "allocator", "attempt": 1, "devices": {"TPU:0": {
-                    "current_bytes": 2**30, "peak_bytes": peak, "capacity_bytes": 16 * 2**30,
-                    "shared": False, "replicas": ["TPU:0"], "source": "allocator",
-                    "process_wide": False, "peak_exact": exact}}}
-
-    gib = 2**30
-    records = [record(1, "compile", 6 * gib, True), record(2, "train", 6 * gib, False),
-               record(3, "train", 6 * gib, False), record(3, "eval", 6 * gib, False)]
-    path = tmp_path / "ktm_memory" / "timeline.jsonl"
-    path.parent.mkdir(parents=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    summary = summarize_memory(records)["TPU:0"]
-    assert summary["peak_exact"] == {"compile": True, "train": False, "eval": False}
-    report = write_report(str(tmp_path))
-    row = next(ln for ln in report.text.splitlines() if ln.startswith("TPU:0"))
-    assert row.split()[2:4] == ["6.00", "GiB"] and row.count("<= 6.00 GiB") == 2
-    assert "an upper bound" in report.text
-    # TensorFlow's readings carry no peak_exact: exact, as before.
-    for r in records:
-        r["devices"]["TPU:0"].pop("peak_exact")
-    assert summarize_memory(records)["TPU:0"]["peak_exact"] == {
-        "compile": True, "train": True, "eval": True}
 
 
 def test_the_report_loads_no_framework(run_dir):

@@ -8,7 +8,7 @@ import pytest
 from helpers_jax import RecordingDense, make_distribution, max_abs_diff
 
 from keras_tpu_mem.accumulation import GradientAccumulation
-from keras_tpu_mem.precision import MixedBFloat16, device_notice
+from keras_tpu_mem.precision import MixedBFloat16
 
 BATCH = 64  # every batch (the last validation one too) divides by the 8 devices
 EPOCHS = 12
@@ -137,9 +137,3 @@ def test_output_layer_forward_is_exactly_float32(digits):
         callback.uninstall(model)
     assert keras.backend.standardize_dtype(got.dtype) == "float32"
     assert max_abs_diff([got], [expected]) <= 1e-5
-
-
-def test_device_notice_on_jax_cpu():
-    notice = device_notice()
-    assert notice is not None and notice.startswith("bfloat16 on CPU")
-    assert device_notice(make_distribution("dp8")) == notice

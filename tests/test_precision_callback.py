@@ -1,41 +1,28 @@
-"""MixedBFloat16, to_mixed_bfloat16, enable_mixed_bfloat16, precision_report."""
+"""MixedBFloat16: bfloat16 compute, float32 variables, for the fit it is attached to
+(precision.callback)."""
 
 from __future__ import annotations
-
-import logging
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import RaiseAtEpoch
-
-from keras_tpu_mem import precision
-from keras_tpu_mem.accumulation import GradientAccumulation
-from keras_tpu_mem.precision import (
-    MixedBFloat16,
-    enable_mixed_bfloat16,
-    precision_report,
-    to_mixed_bfloat16,
+from precision_models import (
+    BATCH,
+    TRAIN,
+    DtypeProbe,
+    Subclassed,
+    compiled,
+    digits_mlp,
+    forward_float64,
 )
 
-BATCH = 128
-TRAIN = 11 * BATCH  # digits has 1437 training examples: 11 full batches
+from keras_tpu_mem.accumulation import GradientAccumulation
+from keras_tpu_mem.precision import MixedBFloat16, to_mixed_bfloat16
 
 
 # ---------------------------------------------------------------- helpers
-class DtypeProbe(keras.layers.Layer):
-    """Identity that records the dtype it receives (at trace time); never casts."""
-
-    def __init__(self, **kwargs):
-        super().__init__(autocast=False, **kwargs)
-        self.seen = []
-
-    def call(self, inputs):
-        self.seen.append(keras.backend.standardize_dtype(inputs.dtype))
-        return inputs
-
-
 class PolicyProbe(keras.callbacks.Callback):
     """Records every layer's compute dtype and every variable's dtype during fit."""
 
@@ -43,27 +30,6 @@ class PolicyProbe(keras.callbacks.Callback):
         self.compute = {layer.name: layer.compute_dtype for layer in self.model.layers}
         self.variables = {v.dtype for v in self.model.variables}
         self.optimizer_variables = {v.dtype for v in self.model.optimizer.variables}
-
-
-
-
-def digits_mlp(probes=False, seed=0):
-    keras.utils.set_random_seed(seed)
-    layers = [keras.Input((64,)), keras.layers.Dense(64, activation="relu", name="hidden_1")]
-    if probes:
-        layers.append(DtypeProbe(name="probe_1"))
-    layers.append(keras.layers.Dense(64, activation="relu", name="hidden_2"))
-    if probes:
-        layers.append(DtypeProbe(name="probe_2"))
-    layers.append(keras.layers.Dense(10, name="logits"))
-    return keras.Sequential(layers, name="digits_mlp")
-
-
-def compiled(model, jit=False, spe=1, lr=3e-3):
-    model.compile(optimizer=keras.optimizers.Adam(lr),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"], jit_compile=jit, steps_per_execution=spe)
-    return model
 
 
 def strategy_for(name):
@@ -100,18 +66,6 @@ def train_digits(digits, config, bf16, epochs=8, probes=False, extra=()):
                         validation_data=(xv, yv), validation_freq=epochs,
                         callbacks=callbacks)
     return model, history.history["val_accuracy"][-1]
-
-
-def forward_float64(model, x):
-    """The trained MLP's logits in numpy float64 (Dense layers only)."""
-    h = x.astype("float64")
-    dense = [layer for layer in model.layers if isinstance(layer, keras.layers.Dense)]
-    for layer in dense:
-        kernel, bias = (np.asarray(w, "float64") for w in layer.get_weights())
-        h = h @ kernel + bias
-        if layer is not dense[-1]:
-            h = np.maximum(h, 0.0)
-    return h
 
 
 def sparse_ce_float64(logits, labels):
@@ -283,75 +237,6 @@ def test_predict_and_evaluate_are_retraced_in_float32_after_fit(digits):
     assert loss == pytest.approx(sparse_ce_float64(forward_float64(model, xv), yv), rel=1e-5)
 
 
-def test_output_layer_forward_is_float32_and_backward_bfloat16():
-    model = digits_mlp()
-    head = model.get_layer("logits")
-    rng = np.random.default_rng(0)
-    h = tf.cast(tf.constant(rng.normal(size=(32, 64)), "float32"), "bfloat16")
-    upstream = rng.normal(size=(32, 10)).astype("float32")
-    kernel, bias = (np.asarray(w, "float64") for w in head.get_weights())
-    h64 = np.asarray(tf.cast(h, "float32"), "float64")
-    exact_out = h64 @ kernel + bias
-
-    def run(callback):
-        callback.install(model)
-        try:
-            with tf.GradientTape() as tape:
-                tape.watch(h)
-                out = head(h)
-            d_h, d_kernel = tape.gradient(out, [h, head.kernel], output_gradients=upstream)
-        finally:
-            callback.restore(model)
-        return out, d_h, d_kernel
-
-    out, d_h, d_kernel = run(MixedBFloat16())
-    assert out.dtype == tf.float32
-    # The forward value is a float32 layer's: float32 rounding only (a bfloat16
-    # layer would be off by ~1e-2 here).
-    assert np.abs(out.numpy() - exact_out).max() / np.abs(exact_out).max() < 1e-6
-    # The backward pass is bfloat16: the input gradient is bfloat16 and the
-    # kernel gradient is that of a bfloat16 product.
-    assert d_h.dtype == tf.bfloat16
-    exact_d_kernel = h64.T @ upstream.astype("float64")
-    error = np.abs(d_kernel.numpy() - exact_d_kernel).max() / np.abs(exact_d_kernel).max()
-    assert 1e-5 < error < 2e-2
-
-    out, d_h, d_kernel = run(MixedBFloat16(exact_output_gradients=True))
-    assert np.abs(out.numpy() - exact_out).max() / np.abs(exact_out).max() < 1e-6
-    error = np.abs(d_kernel.numpy() - exact_d_kernel).max() / np.abs(exact_d_kernel).max()
-    assert error < 1e-6
-
-
-def _float32_activation_gradients(model, callback, batch=256):
-    """float32 tensors of activation size (batch x 64) in the gradient graph."""
-    callback.install(model)
-    try:
-        @tf.function
-        def grads(x):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(model(x, training=True))
-            return tape.gradient(loss, model.trainable_variables)
-
-        graph = grads.get_concrete_function(tf.TensorSpec((batch, 64), "float32")).graph
-    finally:
-        callback.restore(model)
-    found = []
-    for op in graph.get_operations():
-        if "gradient" not in op.name:
-            continue
-        for out in op.outputs:
-            if out.dtype == tf.float32 and out.shape.as_list() == [batch, 64]:
-                found.append(op.name)
-    return found
-
-
-def test_no_float32_activation_gradient_with_the_default_output_layer():
-    model = digits_mlp()
-    assert _float32_activation_gradients(model, MixedBFloat16()) == []
-    # The plain float32 output layer has one (what the default avoids).
-    assert _float32_activation_gradients(model, MixedBFloat16(exact_output_gradients=True))
-
-
 def test_batch_normalization_keeps_float32_statistics(digits):
     (x, y), _ = digits
     keras.utils.set_random_seed(0)
@@ -431,16 +316,6 @@ def test_functional_outputs_through_ops_and_nested_models():
         assert [o.dtype for o in outs] == ["float32", "float32"]
     finally:
         callback.restore(model)
-
-
-class Subclassed(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = keras.layers.Dense(32, activation="relu", name="hidden")
-        self.head = keras.layers.Dense(10, name="head")
-
-    def call(self, inputs):
-        return self.head(self.hidden(inputs))
 
 
 def test_subclassed_model_needs_its_output_layer_named(digits):
@@ -525,151 +400,6 @@ def test_get_config_round_trip():
     assert clone.keep_float32 == ["head", keras.layers.LayerNormalization]
     assert clone.exact_output_gradients is True
     assert MixedBFloat16.from_config(MixedBFloat16().get_config()).keep_float32 == []
-
-
-# --------------------------------------------------------------- devices
-def test_device_notice_once_on_cpu(digits, monkeypatch):
-    (x, y), _ = digits
-    monkeypatch.setattr(precision, "_NOTICES", set())
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    precision.logger.addHandler(handler)
-    try:
-        for _ in range(2):
-            model = compiled(digits_mlp())
-            model.fit(x[:BATCH], y[:BATCH], epochs=1, verbose=0, callbacks=[MixedBFloat16()])
-    finally:
-        precision.logger.removeHandler(handler)
-    notices = [r.getMessage() for r in records if "bfloat16 on CPU" in r.getMessage()]
-    assert len(notices) == 1
-    summaries = [r.getMessage() for r in records if r.getMessage().startswith("MixedBFloat16:")]
-    assert len(summaries) == 2 and "logits (output, bfloat16 backward)" in summaries[0]
-
-
-def test_device_notice_texts(monkeypatch):
-    monkeypatch.setattr(precision, "_cpu_bf16_flags", lambda: [])
-    assert "no bfloat16 instructions" in precision.device_notice()
-    monkeypatch.setattr(precision, "_cpu_bf16_flags", lambda: ["amx_bf16"])
-    assert "amx_bf16" in precision.device_notice()
-    monkeypatch.setattr(precision, "_device_types", lambda strategy: ["TPU"])
-    assert precision.device_notice() is None
-
-
-# ------------------------------------------------------------- converter
-def test_to_mixed_bfloat16_same_weights_float32_output_and_saves(tmp_path):
-    model = digits_mlp()
-    converted = to_mixed_bfloat16(model)
-    assert converted is not model
-    assert [lay.compute_dtype for lay in model.layers] == ["float32"] * 3  # untouched
-    assert [lay.compute_dtype for lay in converted.layers] == ["bfloat16", "bfloat16", "float32"]
-    for got, want in zip(converted.get_weights(), model.get_weights(), strict=True):
-        assert got.dtype == want.dtype == np.float32
-        np.testing.assert_array_equal(got, want)
-    x = np.random.default_rng(0).random((16, 64), dtype=np.float32)
-    out = converted.predict(x, verbose=0)
-    assert out.dtype == np.float32
-    reference = forward_float64(model, x)
-    error = np.abs(out - reference).max() / np.abs(reference).max()
-    assert 1e-4 < error < 5e-2  # bfloat16 hidden layers: close, not float32-exact
-    path = tmp_path / "bf16.keras"
-    converted.save(path)
-    loaded = keras.saving.load_model(path)
-    assert [lay.dtype_policy.name for lay in loaded.layers] == [
-        "mixed_bfloat16", "mixed_bfloat16", "float32"]
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), out)
-
-
-def test_to_mixed_bfloat16_nested_functional_and_subclassed():
-    inputs = keras.Input((8,))
-    body = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="inner")],
-                            name="body")
-    outputs = keras.layers.Dense(3, name="head")(body(inputs))
-    model = keras.Model(inputs, outputs)
-    converted = to_mixed_bfloat16(model)
-    assert converted.get_layer("body").get_layer("inner").compute_dtype == "bfloat16"
-    assert converted.get_layer("head").compute_dtype == "float32"
-    for got, want in zip(converted.get_weights(), model.get_weights(), strict=True):
-        np.testing.assert_array_equal(got, want)
-
-    sub = Subclassed()
-    sub(np.ones((2, 64), "float32"))
-    with pytest.raises(ValueError, match="keep_float32"):
-        to_mixed_bfloat16(sub)  # its output layer cannot be found: bfloat16 output
-    converted = to_mixed_bfloat16(sub, keep_float32="head")
-    assert converted.hidden.compute_dtype == "bfloat16"
-    assert converted.head.compute_dtype == "float32"
-    for got, want in zip(converted.get_weights(), sub.get_weights(), strict=True):
-        np.testing.assert_array_equal(got, want)
-    assert converted(np.ones((2, 64), "float32")).dtype == "float32"
-
-
-def test_to_mixed_bfloat16_needs_a_built_model():
-    model = keras.Sequential([keras.layers.Dense(3)])
-    with pytest.raises(ValueError, match="not built"):
-        to_mixed_bfloat16(model)
-
-
-def test_enable_mixed_bfloat16_returns_the_previous_policy():
-    previous = enable_mixed_bfloat16()
-    assert previous.name == "float32"
-    assert keras.config.dtype_policy().name == "mixed_bfloat16"
-    assert keras.layers.Dense(2).compute_dtype == "bfloat16"
-
-
-# ----------------------------------------------------------------- report
-def test_report_flags_bf16_logits_softmax_and_global_policy():
-    enable_mixed_bfloat16()
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, name="h"),
-                              keras.layers.Dense(4, activation="softmax", name="probs")])
-    keras.config.set_dtype_policy("float32")
-    report = precision_report(model)
-    rows = {row.path.split("/")[-1]: row for row in report.rows}
-    assert rows["h"].compute_dtype == "bfloat16" and rows["h"].variable_dtype == "float32"
-    assert rows["probs"].role == "output"
-    flags = " | ".join(rows["probs"].flags)
-    assert "bfloat16 logits feed the loss" in flags
-    assert "softmax in bfloat16" in flags
-    assert "differs from the global 'float32'" in flags
-    assert [row.path.split("/")[-1] for row in report.flagged] == ["h", "probs"]
-    text = str(report)
-    assert "global policy: float32" in text and "! softmax in bfloat16" in text
-    # Converted, the logits are float32: no logits flag left.
-    fixed = precision_report(to_mixed_bfloat16(model))
-    assert not any("logits" in flag for row in fixed.rows for flag in row.flags)
-
-
-def test_report_float16_without_loss_scaling_and_subclassed_note():
-    model = keras.Sequential([keras.Input((8,)),
-                              keras.layers.Dense(8, dtype="mixed_float16", name="h"),
-                              keras.layers.Dense(4, dtype="float32", name="out")])
-    model.compile(optimizer="adam", loss="mse")
-    row = next(r for r in precision_report(model).rows if r.path.endswith("/h"))
-    assert any("without a LossScaleOptimizer" in flag for flag in row.flags)
-    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
-                  loss="mse")
-    row = next(r for r in precision_report(model).rows if r.path.endswith("/h"))
-    assert not any("LossScaleOptimizer" in flag for flag in row.flags)
-    sub = Subclassed()
-    sub(np.ones((1, 64), "float32"))
-    report = precision_report(sub)
-    assert report.notes and "subclassed" in report.notes[0]
-
-
-def test_report_during_fit_shows_the_bfloat16_backward_output(digits):
-    (x, y), _ = digits
-
-    class Report(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            self.report = precision_report(self.model)
-
-    seen = Report()
-    model = compiled(digits_mlp())
-    model.fit(x[:BATCH], y[:BATCH], epochs=1, verbose=0, callbacks=[MixedBFloat16(), seen])
-    rows = {row.path.split("/")[-1]: row for row in seen.report.rows}
-    assert rows["logits"].role == "output (bfloat16 backward)"
-    assert rows["hidden_1"].compute_dtype == "bfloat16"
-    assert precision_report(model).rows[-1].role == "output"
 
 
 def test_keep_after_fit_leaves_a_bf16_model_with_float32_output(digits):
