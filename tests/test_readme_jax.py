@@ -1,4 +1,5 @@
-"""The README's JAX blocks (those that set KERAS_BACKEND=jax themselves) run as pasted."""
+"""The JAX blocks of README.md and the docs pages (those that set KERAS_BACKEND=jax themselves)
+run as pasted."""
 
 from __future__ import annotations
 
@@ -18,5 +19,6 @@ def test_readme_jax_block_runs_as_pasted(block, tmp_path):
     assert block.skip_reason is None, "JAX blocks are meant to run"
     result = _run(block.code, tmp_path, backend="jax")
     assert result.returncode == 0, (
-        f"README block at line {block.line} ({block.section}) failed:\n{result.stderr[-4000:]}")
+        f"{block.page} block at line {block.line} ({block.section}) failed:\n"
+        f"{result.stderr[-4000:]}")
     assert "validation accuracy" in result.stdout, result.stdout[-2000:]
