@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_tpu_mem.pruning_schedules import (
+from keras_tpu_mem.pruning.schedules import (
     ConstantSparsity,
     PolynomialDecay,
     check_schedule,
