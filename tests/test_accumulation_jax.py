@@ -381,7 +381,7 @@ def test_micro_batches_data_parallel_reduce_gradients_only_in_the_applying_step(
 def test_micro_batches_compose_with_pruning_like_global_batches():
     """Pruning's after_update runs after applying steps only: both modes train alike."""
     from keras_tpu_mem import Pruning
-    from keras_tpu_mem.pruning_schedules import ConstantSparsity
+    from keras_tpu_mem.pruning.schedules import ConstantSparsity
 
     def pruning():
         return Pruning(ConstantSparsity(0.5, begin_step=2, frequency=1))

@@ -289,7 +289,7 @@ def test_composes_with_bfloat16_pruning_and_accumulation_in_any_order():
     order does not change the result; the teacher keeps its float32 policy."""
     from keras_tpu_mem.precision import MixedBFloat16
     from keras_tpu_mem.pruning import Pruning
-    from keras_tpu_mem.pruning_schedules import ConstantSparsity
+    from keras_tpu_mem.pruning.schedules import ConstantSparsity
 
     x, y = make_data()
     keras.utils.set_random_seed(4)

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_tpu_mem.pruning_masks import (
+from keras_tpu_mem.pruning.masks import (
     apply_mask,
     block_mask,
     kth_largest,
@@ -223,3 +223,91 @@ def test_bfloat16_weights_give_the_float32_mask_of_their_values():
                                   expected)
     np.testing.assert_array_equal(_np(m_by_n_mask(weights, (2, 4), 0)),
                                   np_m_by_n_mask(as_float, (2, 4), 0))
+
+
+# ------------------------------------------- TensorFlow only (also under XLA)
+# Not imported by `test_pruning_masks_jax.py`; TensorFlow is imported inside each
+# test so that importing this module on JAX never imports it.
+
+
+def test_kth_largest_exact():
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    values = np.abs(rng.standard_normal(1001)).astype("float32")
+    values[:50] = 0.0  # pruned entries
+    values[50:60] = 1e-40  # denormals
+    values[60] = 3e38
+    values[61:70] = values[100]  # ties
+    ordered = np.sort(values)[::-1]
+    fn = tf.function(kth_largest, jit_compile=True)
+    for k in (1, 2, 9, 10, 500, 940, 941, 950, 951, 1001):
+        assert float(fn(tf.constant(values), tf.constant(k))) == ordered[k - 1], k
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.5, 0.8, 0.99])
+def test_magnitude_mask_matches_numpy(sparsity):
+    import tensorflow as tf
+
+    weights = np.random.default_rng(1).standard_normal((37, 29)).astype("float32")
+    magnitudes = np.abs(weights)
+    k = max(int(np.round(magnitudes.size * (1 - np.float32(sparsity)))), 1)
+    threshold = np.sort(magnitudes, axis=None)[::-1][k - 1]
+    mask, got = magnitude_mask(tf.constant(magnitudes), tf.constant(sparsity, tf.float32))
+    assert float(got) == threshold
+    np.testing.assert_array_equal(mask.numpy(), magnitudes >= threshold)
+    assert int(mask.numpy().sum()) == k
+
+
+@pytest.mark.parametrize("shape, block, pooling", [
+    ((8, 6), (2, 3), "AVG"), ((9, 7), (2, 2), "AVG"), ((9, 7), (4, 3), "MAX"),
+    ((5, 16), (1, 4), "MAX"),
+])
+def test_block_mask_matches_numpy(shape, block, pooling):
+    import tensorflow as tf
+
+    weights = np.random.default_rng(2).standard_normal(shape).astype("float32")
+    bh, bw = block
+    nh, nw = -(-shape[0] // bh), -(-shape[1] // bw)
+    pooled = np.zeros((nh, nw), np.float64)
+    for i in range(nh):
+        for j in range(nw):
+            part = np.abs(weights[i * bh:(i + 1) * bh, j * bw:(j + 1) * bw])
+            pooled[i, j] = part.max() if pooling == "MAX" else part.mean()
+    k = max(int(np.round(pooled.size * 0.5)), 1)
+    keep_blocks = pooled >= np.sort(pooled, axis=None)[::-1][k - 1]
+    expected = np.kron(keep_blocks, np.ones(block, bool))[:shape[0], :shape[1]]
+    mask, _ = block_mask(tf.constant(weights), tf.constant(0.5), block, pooling)
+    np.testing.assert_array_equal(mask.numpy(), expected)
+
+
+@pytest.mark.parametrize("shape, axis", [((16, 6), 0), ((3, 3, 8, 5), 2), ((3, 8, 12), 1),
+                                         ((10, 3), 0)])
+def test_m_by_n_mask_groups(shape, axis):
+    import tensorflow as tf
+
+    weights = np.random.default_rng(3).standard_normal(shape).astype("float32")
+    mask = m_by_n_mask(tf.constant(weights), (2, 4), axis).numpy()
+    moved_w = np.moveaxis(np.abs(weights), axis, -1)
+    moved_m = np.moveaxis(mask, axis, -1)
+    length = shape[axis]
+    for start in range(0, length, 4):
+        group_w = moved_w[..., start:start + 4]
+        group_m = moved_m[..., start:start + 4]
+        keep = min(2, group_w.shape[-1])
+        assert np.all(group_m.sum(-1) == keep)
+        # The kept ones are the largest of their group.
+        ranks = np.argsort(np.argsort(-group_w, axis=-1, kind="stable"), axis=-1)
+        np.testing.assert_array_equal(group_m, ranks < keep)
+
+
+@pytest.mark.parametrize("mask_dtype", ["bool", "float32"])
+def test_masking_writes_exact_zeros_over_non_finite_values(mask_dtype):
+    import tensorflow as tf
+
+    value = tf.constant([np.inf, np.nan, -np.inf, -3.0, np.nan, 2.0])
+    mask = tf.cast(tf.constant([False, False, False, False, True, True]), mask_dtype)
+    out = apply_mask(value, mask).numpy()
+    np.testing.assert_array_equal(out[:4], [0.0, 0.0, 0.0, 0.0])
+    assert not np.signbit(out[:4]).any()  # +0.0, not -0.0
+    assert np.isnan(out[4]) and out[5] == 2.0

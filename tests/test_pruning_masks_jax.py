@@ -33,7 +33,7 @@ def test_backend_is_jax():
 
 def test_importing_masks_and_schedules_imports_no_tensorflow():
     code = (
-        "import sys, keras_tpu_mem.pruning_masks, keras_tpu_mem.pruning_schedules\n"
+        "import sys, keras_tpu_mem.pruning.masks, keras_tpu_mem.pruning.schedules\n"
         "import keras_tpu_mem.distillation\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'tensorflow')\n"
         "assert not bad, bad\n"

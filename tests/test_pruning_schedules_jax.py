@@ -1,6 +1,6 @@
 """Pruning schedules on JAX: tfmot's formulas, evaluated in numpy, at every step.
 
-On TensorFlow `test_pruning.py` checks the schedules bit for bit against tfmot
+On TensorFlow `test_pruning_schedules.py` checks the schedules bit for bit against tfmot
 itself (in a subprocess); here, without TensorFlow, against the closed forms of
 tfmot's schedules: the predicate exactly, the sparsity against the same float32
 formula in numpy to 4 float32 epsilons absolute (XLA may contract the
@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_tpu_mem.pruning_schedules import (
+from keras_tpu_mem.pruning.schedules import (
     ConstantSparsity,
     PolynomialDecay,
     check_schedule,

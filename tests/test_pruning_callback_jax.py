@@ -13,7 +13,7 @@ import pytest
 from helpers_jax import make_distribution, scope, sparse_ce
 
 from keras_tpu_mem import PolynomialDecay, Pruning, strip_pruning
-from keras_tpu_mem.pruning_schedules import ConstantSparsity
+from keras_tpu_mem.pruning.schedules import ConstantSparsity
 
 BATCH = 32
 EPOCHS = 12

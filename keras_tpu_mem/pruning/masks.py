@@ -12,15 +12,17 @@ is the float32 *sum* of AVG block pooling, whose reduction order is the
 backend's: two pooled blocks within one ulp of the threshold could then be
 ordered differently (MAX pooling and unstructured/N:M masks are exact).
 
-Importing this module never imports TensorFlow or JAX: `apply_mask` imports
-TensorFlow only when the TensorFlow backend is active, for its
-`multiply_no_nan` kernel.
+Importing this module never imports TensorFlow or JAX: `apply_mask` asks the
+running backend (`backends.current().pruning`) only for a float mask, which
+TensorFlow applies with its `multiply_no_nan` kernel.
 """
 
 from __future__ import annotations
 
 import keras
 import numpy as np
+
+from keras_tpu_mem import backends
 
 ops = keras.ops
 
@@ -49,7 +51,7 @@ def kth_largest(values, k):
     Example:
 
     ```python
-    from keras_tpu_mem.pruning_masks import kth_largest
+    from keras_tpu_mem.pruning.masks import kth_largest
     kth_largest(keras.ops.abs(kernel), 10)   # the 10th largest magnitude
     ```
     """
@@ -243,18 +245,13 @@ def apply_mask(value, mask):
 
     A bool mask selects (`where`), which XLA fuses into the optimizer's update.
     A float mask (the TensorFlow engine without XLA stores masks in the weight's
-    dtype) multiplies with TensorFlow's `multiply_no_nan`, about 3x faster there
-    than its select kernel, and also exact +0.0 over inf/NaN; other backends
-    select with `where` for both.
+    dtype) is the backend's `apply_float_mask`: TensorFlow multiplies with
+    `multiply_no_nan`, about 3x faster there than its select kernel, and also
+    exact +0.0 over inf/NaN; JAX selects with `where` for both.
     """
-    zero = ops.zeros((), value.dtype)
     if keras.backend.standardize_dtype(mask.dtype) == "bool":
-        return ops.where(mask, value, zero)
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        return tf.math.multiply_no_nan(value, mask)
-    return ops.where(ops.not_equal(mask, 0), value, zero)
+        return ops.where(mask, value, ops.zeros((), value.dtype))
+    return backends.current().pruning.apply_float_mask(value, mask)
 
 
 def smallest_kept(value, mask, block_size=(1, 1), pooling="AVG"):

@@ -1,15 +1,13 @@
-"""Pruning: schedules against tfmot, masks against numpy and tfmot, fits across the matrix.
+"""The `Pruning` callback on TensorFlow: fits across the matrix, resume, arguments, logs.
 
-tfmot is only ever imported in a subprocess (`tfmot_reference`): importing it
-sets TF_USE_LEGACY_KERAS=1 and turns `tf.keras` into tf_keras for the whole
-process.
+Schedules (against tfmot) are in `test_pruning_schedules.py`, masks in
+`test_pruning_masks.py`, layer selection in `test_pruning_selection.py`,
+`strip_pruning` and `sparsity_report` in `test_pruning_export.py` and
+`test_pruning_report.py`.
 """
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -22,12 +20,6 @@ from keras_tpu_mem.pruning import (
     ConstantSparsity,
     PolynomialDecay,
     Pruning,
-    block_mask,
-    find_prunable_weights,
-    kth_largest,
-    m_by_n_mask,
-    magnitude_mask,
-    sparsity_report,
     strip_pruning,
 )
 
@@ -104,238 +96,6 @@ class ZerosAfterBatch(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.fractions.append(float(np.mean(_replicas(self.variable)[0] == 0)))
-
-
-# ------------------------------------------------------- tfmot (subprocess)
-
-_TFMOT_SCRIPT = textwrap.dedent('''
-    import json, os
-    import numpy as np
-    import tensorflow as tf
-    import keras
-    from keras_tpu_mem import pruning as ours
-    import tensorflow_model_optimization as tfmot  # sets TF_USE_LEGACY_KERAS=1
-    from tensorflow_model_optimization.python.core.sparsity.keras import pruning_impl
-
-    S = tfmot.sparsity.keras
-    out = {"schedules": [], "masks": []}
-    CASES = [
-        ("ConstantSparsity", dict(target_sparsity=0.5, begin_step=0)),
-        ("ConstantSparsity", dict(target_sparsity=0.9, begin_step=37, end_step=1500,
-                                  frequency=7)),
-        ("PolynomialDecay", dict(initial_sparsity=0.0, final_sparsity=0.8, begin_step=0,
-                                 end_step=1000)),
-        ("PolynomialDecay", dict(initial_sparsity=0.2, final_sparsity=0.95, begin_step=150,
-                                 end_step=1750, power=2, frequency=13)),
-        ("PolynomialDecay", dict(initial_sparsity=0.5, final_sparsity=0.1, begin_step=3,
-                                 end_step=997, power=1.5, frequency=1)),
-    ]
-    steps = tf.range(0, 2001, dtype=tf.int64)
-
-    @tf.function
-    def evaluate(schedule):
-        # One scalar call per step (tf.map_fn), as during training.
-        return tf.map_fn(schedule, steps, fn_output_signature=(tf.bool, tf.float32))
-
-    for name, kwargs in CASES:
-        ref, mine = getattr(S, name)(**kwargs), getattr(ours, name)(**kwargs)
-        (rs, rv), (ms, mv) = evaluate(ref), evaluate(mine)
-        rs, rv, ms, mv = rs.numpy(), rv.numpy(), ms.numpy(), mv.numpy()
-        bad = np.flatnonzero((rs != ms) | (rv.view(np.int32) != mv.view(np.int32)))
-        mismatches = [[int(i), bool(rs[i]), bool(ms[i]), float(rv[i]), float(mv[i])]
-                      for i in bad[:5]]
-        # And eagerly, one step at a time, at a sample of steps.
-        for step in range(0, 2001, 97):
-            t = tf.constant(step, tf.int64)
-            (es, ev), (fs, fv) = ref(t), mine(t)
-            if bool(es) != bool(fs) or np.float32(ev) != np.float32(fv):
-                mismatches.append([step, bool(es), bool(fs), float(ev), float(fv)])
-        out["schedules"].append({"name": name, "mismatches": mismatches,
-                                 "pruning_steps": int(rs.sum()),
-                                 "distinct_sparsities": len(set(rv[rs].tolist()))})
-
-    rng = np.random.default_rng(0)
-    for shape, block, pooling, m_by_n, sparsity in [
-        ((64, 32), (1, 1), "AVG", None, 0.7),
-        ((64, 32), (2, 2), "AVG", None, 0.6),
-        ((64, 32), (4, 1), "MAX", None, 0.5),
-        ((48, 40), (1, 8), "AVG", None, 0.75),
-        ((64, 32), (1, 1), "AVG", (2, 4), 0.5),
-        ((3, 3, 16, 8), (1, 1), "AVG", (2, 4), 0.5),
-        ((64, 10), (1, 1), "AVG", (1, 4), 0.25),
-    ]:
-        w = tf.constant(rng.standard_normal(shape).astype("float32"))
-        impl = pruning_impl.Pruning(lambda: tf.constant(1, tf.int64), [],
-                                    S.ConstantSparsity(sparsity, 0), block, pooling,
-                                    sparsity_m_by_n=m_by_n)
-        ref_mask = impl._maybe_update_block_mask(w)[1].numpy() > 0
-        if m_by_n:
-            mask = ours.m_by_n_mask(w, m_by_n, len(shape) - 2)
-        elif block != (1, 1):
-            mask = ours.block_mask(w, tf.constant(sparsity), block, pooling)[0]
-        else:
-            mask = ours.magnitude_mask(tf.abs(w), tf.constant(sparsity))[0]
-        mask = mask.numpy()
-        out["masks"].append({"case": [shape, block, pooling, m_by_n],
-                             "differ": int(np.sum(mask != ref_mask)),
-                             "kept": int(mask.sum())})
-
-    # A tfmot schedule object passed as is to ktm.Pruning (duck-typed), and its
-    # config mapped onto ours.
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
-    model.compile("adam", "mse")
-    schedule = S.PolynomialDecay(0.0, 0.6, begin_step=0, end_step=8, frequency=4)
-    x = np.random.default_rng(1).normal(size=(64, 8)).astype("float32")
-    model.fit(x, x[:, :2], batch_size=8, epochs=1, verbose=0,
-              callbacks=[ours.Pruning(schedule)])
-    out["fit_zeros"] = [int(np.sum(layer.kernel.numpy() == 0)) for layer in model.layers]
-    out["config"] = ours.Pruning(schedule).get_config()["schedule"]
-    print("RESULT " + json.dumps(out))
-''')
-
-
-@pytest.fixture(scope="module")
-def tfmot_reference():
-    env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("TF_USE_LEGACY_KERAS", None)
-    proc = subprocess.run([sys.executable, "-c", _TFMOT_SCRIPT], capture_output=True,
-                          text=True, env=env, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def test_schedules_match_tfmot_at_every_step(tfmot_reference):
-    schedules = tfmot_reference["schedules"]
-    assert len(schedules) == 5
-    for entry in schedules:
-        assert entry["mismatches"] == [], entry
-        assert entry["pruning_steps"] > 0  # the comparison covered pruning steps
-
-
-def test_masks_match_tfmot(tfmot_reference):
-    for entry in tfmot_reference["masks"]:
-        assert entry["differ"] == 0, entry
-        assert 0 < entry["kept"]
-
-
-def test_tfmot_schedule_object_is_accepted(tfmot_reference):
-    # PolynomialDecay(0, 0.6, 0, 8, frequency=4): steps 4 and 8 prune, 8 at 0.6.
-    assert tfmot_reference["fit_zeros"] == [_expected_zeros(8 * 16, 0.6),
-                                            _expected_zeros(16 * 2, 0.6)]
-    config = tfmot_reference["config"]
-    assert config["class_name"] == "PolynomialDecay"
-    assert config["config"]["final_sparsity"] == 0.6
-
-
-# ----------------------------------------------------------- schedules
-
-
-def test_schedule_values_by_hand():
-    poly = PolynomialDecay(0.1, 0.9, begin_step=100, end_step=500, power=2, frequency=50)
-    for step in (0, 99, 100, 150, 300, 499, 500, 900):
-        should, sparsity = poly(tf.constant(step, tf.int64))
-        assert bool(should) == (100 <= step <= 500 and (step - 100) % 50 == 0)
-        assert float(sparsity) == pytest.approx(_poly(step, 0.1, 0.9, 100, 500, 2), abs=1e-6)
-    const = ConstantSparsity(0.3, begin_step=10, end_step=-1, frequency=5)
-    assert [bool(const(s)[0]) for s in (9, 10, 12, 15, 10**6)] == [False, True, False, True,
-                                                                    True]
-    assert float(const(3)[1]) == pytest.approx(0.3)
-
-
-@pytest.mark.parametrize("make, match", [
-    (lambda: ConstantSparsity(1.0, 0), "target_sparsity"),
-    (lambda: ConstantSparsity(-0.1, 0), "target_sparsity"),
-    (lambda: ConstantSparsity(0.5, -1), "begin_step"),
-    (lambda: ConstantSparsity(0.5, 10, end_step=5), "end_step"),
-    (lambda: ConstantSparsity(0.5, 0, end_step=-2), "end_step"),
-    (lambda: ConstantSparsity(0.5, 0, frequency=0), "frequency"),
-    (lambda: ConstantSparsity(0.5, 0, frequency=2.5), "frequency"),
-    (lambda: ConstantSparsity("0.5", 0), "target_sparsity"),
-    (lambda: PolynomialDecay(0.0, 1.0, 0, 100), "final_sparsity"),
-    (lambda: PolynomialDecay(1.5, 0.5, 0, 100), "initial_sparsity"),
-    (lambda: PolynomialDecay(0.0, 0.5, 100, 50), "end_step"),
-    (lambda: PolynomialDecay(0.0, 0.5, 100, 100), "end_step"),
-    (lambda: PolynomialDecay(0.0, 0.5, 0, -1), "end_step"),
-    (lambda: PolynomialDecay(0.0, 0.5, 0, 100, power=0), "power"),
-    (lambda: PolynomialDecay(0.0, 0.5, 0, 100, frequency=-3), "frequency"),
-])
-def test_schedule_bad_arguments(make, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        make()
-
-
-def test_schedule_serialises():
-    poly = PolynomialDecay(0.0, 0.8, begin_step=0, end_step=1000, power=2, frequency=10)
-    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(poly))
-    assert restored == poly and restored is not poly
-
-
-# --------------------------------------------------------------- masks
-
-
-def test_kth_largest_exact():
-    rng = np.random.default_rng(0)
-    values = np.abs(rng.standard_normal(1001)).astype("float32")
-    values[:50] = 0.0  # pruned entries
-    values[50:60] = 1e-40  # denormals
-    values[60] = 3e38
-    values[61:70] = values[100]  # ties
-    ordered = np.sort(values)[::-1]
-    fn = tf.function(kth_largest, jit_compile=True)
-    for k in (1, 2, 9, 10, 500, 940, 941, 950, 951, 1001):
-        assert float(fn(tf.constant(values), tf.constant(k))) == ordered[k - 1], k
-
-
-@pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.5, 0.8, 0.99])
-def test_magnitude_mask_matches_numpy(sparsity):
-    weights = np.random.default_rng(1).standard_normal((37, 29)).astype("float32")
-    magnitudes = np.abs(weights)
-    k = max(int(np.round(magnitudes.size * (1 - np.float32(sparsity)))), 1)
-    threshold = np.sort(magnitudes, axis=None)[::-1][k - 1]
-    mask, got = magnitude_mask(tf.constant(magnitudes), tf.constant(sparsity, tf.float32))
-    assert float(got) == threshold
-    np.testing.assert_array_equal(mask.numpy(), magnitudes >= threshold)
-    assert int(mask.numpy().sum()) == k
-
-
-@pytest.mark.parametrize("shape, block, pooling", [
-    ((8, 6), (2, 3), "AVG"), ((9, 7), (2, 2), "AVG"), ((9, 7), (4, 3), "MAX"),
-    ((5, 16), (1, 4), "MAX"),
-])
-def test_block_mask_matches_numpy(shape, block, pooling):
-    weights = np.random.default_rng(2).standard_normal(shape).astype("float32")
-    bh, bw = block
-    nh, nw = -(-shape[0] // bh), -(-shape[1] // bw)
-    pooled = np.zeros((nh, nw), np.float64)
-    for i in range(nh):
-        for j in range(nw):
-            part = np.abs(weights[i * bh:(i + 1) * bh, j * bw:(j + 1) * bw])
-            pooled[i, j] = part.max() if pooling == "MAX" else part.mean()
-    k = max(int(np.round(pooled.size * 0.5)), 1)
-    keep_blocks = pooled >= np.sort(pooled, axis=None)[::-1][k - 1]
-    expected = np.kron(keep_blocks, np.ones(block, bool))[:shape[0], :shape[1]]
-    mask, _ = block_mask(tf.constant(weights), tf.constant(0.5), block, pooling)
-    np.testing.assert_array_equal(mask.numpy(), expected)
-
-
-@pytest.mark.parametrize("shape, axis", [((16, 6), 0), ((3, 3, 8, 5), 2), ((3, 8, 12), 1),
-                                         ((10, 3), 0)])
-def test_m_by_n_mask_groups(shape, axis):
-    weights = np.random.default_rng(3).standard_normal(shape).astype("float32")
-    mask = m_by_n_mask(tf.constant(weights), (2, 4), axis).numpy()
-    moved_w = np.moveaxis(np.abs(weights), axis, -1)
-    moved_m = np.moveaxis(mask, axis, -1)
-    length = shape[axis]
-    for start in range(0, length, 4):
-        group_w = moved_w[..., start:start + 4]
-        group_m = moved_m[..., start:start + 4]
-        keep = min(2, group_w.shape[-1])
-        assert np.all(group_m.sum(-1) == keep)
-        # The kept ones are the largest of their group.
-        ranks = np.argsort(np.argsort(-group_w, axis=-1, kind="stable"), axis=-1)
-        np.testing.assert_array_equal(group_m, ranks < keep)
 
 
 # ------------------------------------------------------------- the floor
@@ -499,18 +259,6 @@ def test_recompiling_for_xla_keeps_the_masks_in_bool():
         np.testing.assert_array_equal(np.asarray(kernel.value) == 0, before)
 
 
-@pytest.mark.parametrize("mask_dtype", ["bool", "float32"])
-def test_masking_writes_exact_zeros_over_non_finite_values(mask_dtype):
-    from keras_tpu_mem.pruning import _apply_mask
-
-    value = tf.constant([np.inf, np.nan, -np.inf, -3.0, np.nan, 2.0])
-    mask = tf.cast(tf.constant([False, False, False, False, True, True]), mask_dtype)
-    out = _apply_mask(value, mask).numpy()
-    np.testing.assert_array_equal(out[:4], [0.0, 0.0, 0.0, 0.0])
-    assert not np.signbit(out[:4]).any()  # +0.0, not -0.0
-    assert np.isnan(out[4]) and out[5] == 2.0
-
-
 # ------------------------------------------------------------ composition
 
 
@@ -589,107 +337,6 @@ def test_block_sparsity_fit_prunes_aligned_blocks():
                           axis=(1, 3)).sum()) == _expected_zeros(n_blocks, 0.5)
 
 
-class _Prunable(keras.layers.Layer):
-    def build(self, input_shape):
-        self.w = self.add_weight(shape=(input_shape[-1], 4), name="w")
-        self.b = self.add_weight(shape=(4,), initializer="zeros", name="b")
-
-    def call(self, x):
-        return x @ self.w + self.b
-
-    def get_prunable_weights(self):
-        return [self.w]
-
-
-def _zoo():
-    keras.utils.set_random_seed(0)
-    image = keras.Input((8, 8, 3), name="image")
-    h = keras.layers.Conv2D(4, 3, name="conv")(image)
-    h = keras.layers.DepthwiseConv2D(3, name="depthwise")(h)
-    h = keras.layers.SeparableConv2D(4, 1, name="separable")(h)
-    h = keras.layers.Conv2DTranspose(4, 3, name="transpose")(h)
-    h = keras.layers.BatchNormalization(name="bn")(h)
-    h = keras.layers.GlobalAveragePooling2D()(h)
-    tokens = keras.Input((6,), dtype="int32", name="tokens")
-    t = keras.layers.Embedding(20, 8, name="embedding")(tokens)
-    t = keras.layers.Conv1D(8, 3, padding="same", name="conv1d")(t)
-    t = keras.layers.MultiHeadAttention(2, 4, name="mha")(t, t)
-    t = keras.layers.LayerNormalization(name="ln")(t)
-    t = keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, 8), bias_axes="d",
-                                 name="einsum")(t)
-    t = keras.layers.GlobalAveragePooling1D()(t)
-    volume = keras.Input((4, 4, 4, 2), name="volume")
-    v = keras.layers.GlobalAveragePooling3D()(keras.layers.Conv3D(4, 2, name="conv3d")(volume))
-    h = keras.layers.Concatenate()([h, t, v])
-    h = _Prunable(name="custom")(h)
-    out = keras.layers.Dense(3, name="head")(h)
-    return keras.Model([image, tokens, volume], out)
-
-
-ZOO_PRUNED = {
-    "conv/kernel", "depthwise/kernel", "separable/pointwise_kernel", "transpose/kernel",
-    "embedding/embeddings", "conv1d/kernel", "mha/query/kernel", "mha/key/kernel",
-    "mha/value/kernel", "mha/attention_output/kernel", "einsum/kernel", "conv3d/kernel",
-    "custom/w", "head/kernel",
-}
-
-
-def test_supported_layers_and_never_biases_or_norms():
-    model = _zoo()
-    assert {w.path for w in find_prunable_weights(model)} == ZOO_PRUNED
-    model.compile("sgd", sparse_ce())
-    rng = np.random.default_rng(0)
-    x = [rng.normal(size=(16, 8, 8, 3)).astype("float32"), rng.integers(0, 20, (16, 6)),
-         rng.normal(size=(16, 4, 4, 4, 2)).astype("float32")]
-    y = rng.integers(0, 3, 16)
-    pruning = Pruning(ConstantSparsity(0.5, begin_step=1, frequency=1))
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[pruning])
-    assert set(pruning.pruned_weights) == ZOO_PRUNED
-    for variable in model.weights:
-        value = np.asarray(variable.value)
-        if variable.path in ZOO_PRUNED:
-            assert int(np.sum(value == 0)) == _expected_zeros(value.size, 0.5), variable.path
-        elif variable.trainable and value.size > 1:
-            # Biases and normalisation weights: nothing forced to zero.
-            assert np.mean(value == 0) < 0.5, variable.path
-
-
-def test_layer_selection_by_name_and_type():
-    model = _zoo()
-    by_name = find_prunable_weights(model, ["head", "conv"])
-    assert [w.path for w in by_name] == ["head/kernel", "conv/kernel"]
-    by_type = {w.path for w in find_prunable_weights(model, keras.layers.MultiHeadAttention)}
-    assert by_type == {"mha/query/kernel", "mha/key/kernel", "mha/value/kernel",
-                       "mha/attention_output/kernel"}
-    mixed = {w.path for w in find_prunable_weights(model, ["custom", keras.layers.Conv3D])}
-    assert mixed == {"custom/w", "conv3d/kernel"}
-
-
-@pytest.mark.parametrize("layers, match", [
-    (["head", "nope"], "names no layer of the model: nope"),
-    ([keras.layers.LSTM], "names no layer of the model: LSTM"),
-    (["bn"], "'bn' \\(BatchNormalization\\) has no prunable weights"),
-    ([], "empty"),
-])
-def test_layer_selection_errors(layers, match):
-    with pytest.raises(ValueError, match=match):
-        find_prunable_weights(_zoo(), layers)
-
-
-def test_bad_layers_type():
-    with pytest.raises(TypeError, match="layers"):
-        Pruning(ConstantSparsity(0.5, 0), layers=[3])
-
-
-def test_nothing_prunable_is_an_error_at_fit():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(),
-                              keras.layers.Activation("relu")])
-    model.compile("sgd", "mse")
-    with pytest.raises(ValueError, match="Nothing to prune"):
-        model.fit(np.ones((8, 4)), np.ones((8, 4)), verbose=0,
-                  callbacks=[Pruning(ConstantSparsity(0.5, 0))])
-
-
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(m_by_n=(4, 2)), ValueError, "0 < m < n"),
     (dict(m_by_n=(0, 4)), ValueError, "0 < m < n"),
@@ -721,6 +368,8 @@ def test_schedule_must_be_callable_with_a_pair():
 
 
 def test_block_size_needs_rank_2_at_fit():
+    from test_pruning_selection import _zoo
+
     model = _zoo()
     model.compile("sgd", sparse_ce())
     with pytest.raises(ValueError, match="needs rank-2 weights"):
@@ -791,64 +440,7 @@ def test_subclassed_model_under_mixed_bfloat16(case, tmp_path):
     np.testing.assert_array_equal(stripped.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
-# ------------------------------------------------------------ strip & report
-
-
-@pytest.mark.parametrize("case", ["default", "mirrored"])
-def test_strip_pruning_predicts_identically_and_round_trips(case, tmp_path):
-    x, y = toy_data(128, inputs=16)
-    model = _small_mlp(_strategy(case), spe=2)
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0,
-              callbacks=[Pruning(ConstantSparsity(0.6, begin_step=1, frequency=2))])
-    stripped = strip_pruning(model)
-    assert stripped is not model
-    assert [type(layer) for layer in stripped.layers] == [keras.layers.Dense] * 2
-    stripped_out = stripped.predict(x, verbose=0)
-    if case == "default":
-        # The same computation (same weights, strategy, batch and kernels): exact.
-        np.testing.assert_array_equal(stripped_out, model.predict(x, verbose=0))
-    else:
-        # The clone is made outside the scope, so it predicts on the default strategy
-        # while the trained model splits each batch over 2 replicas: other GEMM shapes,
-        # so oneDNN sums in another order (measured: 29 of 640 values off by 2.4e-07 on
-        # an AMD EPYC). Equal up to float32 rounding, not bitwise.
-        np.testing.assert_allclose(stripped_out, model.predict(x, verbose=0), rtol=0,
-                                   atol=1e-6)
-    path = str(tmp_path / "pruned.keras")
-    stripped.save(path)
-    loaded = keras.saving.load_model(path, safe_mode=True)
-    # The round trip itself is exact: the loaded model and the one saved run the same
-    # computation on the same (default) strategy, and the weights are the trained ones.
-    np.testing.assert_array_equal(loaded.predict(x, verbose=0), stripped_out)
-    for got, want in zip(loaded.get_weights(), model.get_weights()):
-        np.testing.assert_array_equal(got, want)
-    assert sparsity_report(loaded).sparsity == pytest.approx(0.6, abs=0.01)
-    # The trained model itself carries no pruning state either.
-    model.save(str(tmp_path / "trained.keras"))
-    again = keras.saving.load_model(str(tmp_path / "trained.keras"), safe_mode=True)
-    assert len(again.weights) == len(model.weights)
-
-
-def test_sparsity_report_by_hand():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, use_bias=False),
-                              keras.layers.Dense(2)])
-    kernel = np.arange(1, 13, dtype="float32").reshape(4, 3)
-    kernel[kernel % 2 == 0] = 0  # 6 of 12 zero
-    model.layers[0].kernel.assign(kernel)
-    report = sparsity_report(model, compressed=True)
-    first = report.weights[0]
-    assert (first.size, first.zeros, first.sparsity) == (12, 6, 0.5)
-    assert first.dense_bytes == 48
-    assert first.csr_bytes == 6 * (4 + 4) + (4 + 1) * 4  # values + col idx + row ptr
-    assert first.bitmask_bytes == 6 * 4 + 2
-    assert first.best_bytes == 26
-    assert first.compressed_bytes > 0
-    head = report.weights[1]
-    assert head.zeros == int(np.sum(np.asarray(model.layers[1].kernel.value) == 0))
-    assert report.model_bytes == (12 + 3 * 2 + 2) * 4
-    assert report.saved_bytes == 48 - 26 + head.dense_bytes - head.best_bytes
-    text = str(report)
-    assert "sequential" in text and "50.00%" in text
+# ------------------------------------------------------------ logs and steps
 
 
 def test_log_dir_writes_sparsity_and_threshold(tmp_path):
@@ -860,8 +452,8 @@ def test_log_dir_writes_sparsity_and_threshold(tmp_path):
     for name in os.listdir(tmp_path):
         for event in tf.compat.v1.train.summary_iterator(str(tmp_path / name)):
             for value in event.summary.value:
-                scalars.setdefault(value.tag, []).append(
-                    (event.step, float(tf.make_ndarray(value.tensor))))
+                # Written as TensorBoard's scalar `simple_value` (keras_tpu_mem.events).
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     tags = {f"pruning/{k.path}/{what}" for k in _kernels(model)
             for what in ("sparsity", "threshold")} | {"pruning/schedule_sparsity"}
     assert set(scalars) == tags
