@@ -25,9 +25,10 @@ The logits travel inside each element, so `shuffle`, `batch`, `unbatch`,
 Modules, one job each: `callback` (`Distillation`), `loss` (the KL term),
 `checks` (arguments and models), `placement` (where the teacher's variables
 live), `elements` (the element structure above), `cache` (the cache API),
-`teacher_logits` (`TeacherLogits`), `npz` (its file), `directory` (the cache of
-a tf.data.Dataset), `structure` (nests of arrays). What tf.distribute and
-tf.data do is `backends.current().distillation`'s.
+`arrays` (the cache of arrays), `teacher_logits` (`TeacherLogits`, what it
+returns), `npz` (its file), `directory` (the cache of a tf.data.Dataset),
+`structure` (nests of arrays). What tf.distribute and tf.data do is
+`backends.current().distillation`'s.
 """
 
 from keras_tpu_mem.distillation.cache import (

@@ -1,8 +1,8 @@
 """The cache API: run the teacher once, train the student from its logits.
 
 `cache_teacher_logits` takes arrays (any backend: a `TeacherLogits` PyDataset,
-saved as `.npz`) or a tf.data.Dataset of batches (TensorFlow: a dataset of
-single examples, saved as a directory, see `directory`);
+saved as `.npz`, see `arrays`) or a tf.data.Dataset of batches (TensorFlow: a
+dataset of single examples, saved as a directory, see `directory`);
 `load_teacher_logits` reads either back without the teacher;
 `strip_teacher_logits` and `prepare_student` serve the student's `fit`.
 """
@@ -12,34 +12,17 @@ from __future__ import annotations
 import os
 
 import keras
-import numpy as np
 
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem._utils import logger
-from keras_tpu_mem.distillation.checks import (
-    check_batch_size,
-    check_top_k,
-    check_top_k_classes,
-    ends_in_probabilities,
-    output_classes,
-    single_output,
-)
+from keras_tpu_mem.distillation.arrays import cache_arrays
+from keras_tpu_mem.distillation.checks import ends_in_probabilities
 from keras_tpu_mem.distillation.directory import cache_dataset, load_directory
-from keras_tpu_mem.distillation.elements import (
-    LOGITS_KEY,
-    TOP_K_INDICES_KEY,
-    TOP_K_VALUES_KEY,
-    is_cached_element,
-)
+from keras_tpu_mem.distillation.elements import is_cached_element
 from keras_tpu_mem.distillation.npz import SUFFIX as NPZ_SUFFIX
-from keras_tpu_mem.distillation.npz import new_path as new_npz_path
 from keras_tpu_mem.distillation.npz import read as read_npz
 from keras_tpu_mem.distillation.placement import strategy_scope
-from keras_tpu_mem.distillation.structure import DATA_PARTS, split_data
 from keras_tpu_mem.distillation.teacher_logits import TeacherLogits
-
-ops = keras.ops
 
 
 def _distillation_backend():
@@ -52,68 +35,6 @@ def _distillation_backend():
         return backends.current("cache_teacher_logits").distillation
     except RuntimeError:
         return None
-
-
-def _numpy_nest(value, where):
-    try:
-        return keras.tree.map_structure(lambda a: np.asarray(ops.convert_to_numpy(a)), value)
-    except Exception as err:
-        raise TypeError(
-            f"`dataset` must be a tf.data.Dataset or arrays (numpy arrays or tensors); its "
-            f"{where} could not be read as arrays ({type(err).__name__}: {err})."
-        ) from err
-
-
-def _cache_arrays(teacher, data, *, batch_size, top_k, path):
-    batch_size = check_batch_size(batch_size)
-    top_k = check_top_k(top_k)
-    check_top_k_classes(top_k, output_classes(teacher), "the teacher")
-    if path is not None:
-        path = new_npz_path(path)
-    parts, single = split_data(data)
-    parts = [_numpy_nest(p, name) for p, name in zip(parts, DATA_PARTS)]
-    data = parts[0] if single else tuple(parts)
-    bad = [np.shape(a) for a in keras.tree.flatten(parts)
-           if np.ndim(a) == 0 or np.asarray(a).dtype == object]
-    if bad:
-        raise TypeError(
-            "`dataset` must be a tf.data.Dataset or arrays with a leading example axis "
-            f"(x, (x, y) or (x, y, sample_weight)); got an array of shape {bad[0]} or "
-            "of objects.")
-    x = parts[0]
-    sizes = {len(leaf) for leaf in keras.tree.flatten(data)}
-    if len(sizes) != 1:
-        raise ValueError(f"`dataset` arrays must all hold the same number of examples; got "
-                         f"lengths {sorted(sizes)}.")
-    size = sizes.pop()
-    if size == 0:
-        raise ValueError("`dataset` is empty: there is nothing to cache.")
-    # Padded to whole batches (the last example repeated, then cropped): under
-    # a DataParallel distribution every predict batch must divide by the
-    # devices, which a partial last batch would not.
-    pad = -size % batch_size
-    if pad:
-        x_in = keras.tree.map_structure(
-            lambda a: np.concatenate([a, np.repeat(a[-1:], pad, axis=0)]), x)
-    else:
-        x_in = x
-    logits = single_output(teacher.predict(x_in, batch_size=batch_size, verbose=0),
-                           "a teacher")
-    logits = np.asarray(ops.convert_to_numpy(ops.cast(logits, "float32")))[:size]
-    if top_k is None:
-        extras = {LOGITS_KEY: logits}
-    else:
-        # A stable descending sort: among equal logits the lower class first,
-        # as tf.math.top_k / jax.lax.top_k order them.
-        indices = np.argsort(-logits, axis=-1, kind="stable")[..., :top_k].astype(np.int32)
-        extras = {TOP_K_VALUES_KEY: np.take_along_axis(logits, indices, axis=-1),
-                  TOP_K_INDICES_KEY: indices}
-    cached = TeacherLogits(data, extras, batch_size)
-    logger.info("cache_teacher_logits: %d examples, %s.", size,
-                "all logits" if top_k is None else f"top {top_k} logits")
-    if path is not None:
-        cached.save(path)
-    return cached
 
 
 def cache_teacher_logits(teacher, dataset, *, batch_size: int = 32,
@@ -209,7 +130,7 @@ def cache_teacher_logits(teacher, dataset, *, batch_size: int = 32,
         )
     backend = _distillation_backend()
     if backend is None or not backend.is_dataset(dataset):
-        return _cache_arrays(teacher, dataset, batch_size=batch_size, top_k=top_k, path=path)
+        return cache_arrays(teacher, dataset, batch_size=batch_size, top_k=top_k, path=path)
     return cache_dataset(teacher, dataset, top_k=top_k, path=path)
 
 

@@ -169,9 +169,7 @@ class Distillation(EngineCallback):
                     "keras.models.load_model, or call it on a batch."
                 )
         self.teacher = teacher
-        self.top_k = check_top_k(top_k)
-        if teacher is not None:
-            check_top_k_classes(self.top_k, output_classes(teacher), "the teacher")
+        self.top_k = check_top_k(top_k, teacher)
         self._temperature_fn = temperature if callable(temperature) else None
         self._alpha_fn = alpha if callable(alpha) else None
         self.temperature = None if callable(temperature) else check_temperature(temperature)
@@ -341,24 +339,15 @@ class Distillation(EngineCallback):
 
     def transform_loss(self, loss, ctx):
         student = single_output(ctx.y_pred, "a student")
-        classes = student.shape[-1]
         temperature, alpha = self._variables
         if self.teacher is not None:
             teacher = self._step_teacher(ctx.x, training=False)
             teacher = ops.stop_gradient(single_output(teacher, "a teacher"))
-            if tuple(teacher.shape)[1:] != tuple(student.shape)[1:]:
-                raise ValueError(
-                    f"The teacher's logits have shape {teacher.shape} per batch but the "
-                    f"student's have {student.shape}; Distillation needs the same shape "
-                    "(the same classes in the same order)."
-                )
-            if self.top_k is None:
-                kl = distillation_kl(student, temperature.value, teacher)
-            else:
-                check_top_k_classes(self.top_k, classes, "the teacher")
-                values, indices = top_k_logits(teacher, self.top_k)
-                kl = distillation_kl(student, temperature.value, top_k_values=values,
-                                     top_k_indices=indices)
+            kl = self._logits_kl(
+                student, teacher, temperature.value, "the teacher",
+                "The teacher's logits have shape {logits} per batch but the student's have "
+                "{student}; Distillation needs the same shape (the same classes in the same "
+                "order).")
         else:
             kl = self._cached_kl(student, ctx.extras, temperature.value)
         mask = getattr(student, "_keras_mask", None)
@@ -375,37 +364,44 @@ class Distillation(EngineCallback):
             term = term + alpha * regularization
         return ops.cast(1.0 - alpha, loss.dtype) * loss + ops.cast(term, loss.dtype)
 
+    def _logits_kl(self, student, logits, temperature, who, mismatch):
+        """The KL term against all the teacher's `logits` (or their top k).
+
+        `who` names the logits in the top-k error; `mismatch` is the message
+        where their shape is not the student's (`{logits}`, `{student}`: shapes).
+        """
+        if tuple(logits.shape)[1:] != tuple(student.shape)[1:]:
+            raise ValueError(mismatch.format(logits=logits.shape, student=student.shape))
+        if self.top_k is None:
+            return distillation_kl(student, temperature, logits)
+        check_top_k_classes(self.top_k, student.shape[-1], who)
+        values, indices = top_k_logits(logits, self.top_k)
+        return distillation_kl(student, temperature, top_k_values=values,
+                               top_k_indices=indices)
+
     def _cached_kl(self, student, extras, temperature):
-        classes = student.shape[-1]
         if LOGITS_KEY in extras:
-            logits = extras[LOGITS_KEY]
-            if tuple(logits.shape)[1:] != tuple(student.shape)[1:]:
+            return self._logits_kl(
+                student, extras[LOGITS_KEY], temperature, "the cached teacher logits",
+                "The cached teacher logits have shape {logits} per batch but the student's "
+                "logits have {student}; the cache was made with another teacher (different "
+                "classes).")
+        values, indices = extras[TOP_K_VALUES_KEY], extras[TOP_K_INDICES_KEY]
+        cached_k = values.shape[-1]
+        if tuple(values.shape)[1:-1] != tuple(student.shape)[1:-1]:
+            raise ValueError(
+                f"The cached teacher top-k logits have shape {values.shape} per batch, "
+                f"which does not match the student's logits {student.shape}."
+            )
+        check_top_k_classes(cached_k, student.shape[-1], "the student")
+        if self.top_k is not None:
+            if self.top_k > cached_k:
                 raise ValueError(
-                    f"The cached teacher logits have shape {logits.shape} per batch but the "
-                    f"student's logits have {student.shape}; the cache was made with "
-                    "another teacher (different classes)."
+                    f"Distillation(top_k={self.top_k}) but the dataset caches only the "
+                    f"teacher's top {cached_k} logits; use top_k <= {cached_k} or "
+                    "top_k=None (all cached)."
                 )
-            if self.top_k is None:
-                return distillation_kl(student, temperature, logits)
-            check_top_k_classes(self.top_k, classes, "the cached teacher logits")
-            values, indices = top_k_logits(logits, self.top_k)
-        else:
-            values, indices = extras[TOP_K_VALUES_KEY], extras[TOP_K_INDICES_KEY]
-            cached_k = values.shape[-1]
-            if tuple(values.shape)[1:-1] != tuple(student.shape)[1:-1]:
-                raise ValueError(
-                    f"The cached teacher top-k logits have shape {values.shape} per batch, "
-                    f"which does not match the student's logits {student.shape}."
-                )
-            check_top_k_classes(cached_k, classes, "the student")
-            if self.top_k is not None:
-                if self.top_k > cached_k:
-                    raise ValueError(
-                        f"Distillation(top_k={self.top_k}) but the dataset caches only the "
-                        f"teacher's top {cached_k} logits; use top_k <= {cached_k} or "
-                        "top_k=None (all cached)."
-                    )
-                values, indices = values[..., : self.top_k], indices[..., : self.top_k]
+            values, indices = values[..., : self.top_k], indices[..., : self.top_k]
         return distillation_kl(student, temperature, top_k_values=values,
                                top_k_indices=indices)
 

@@ -39,14 +39,16 @@ def check_alpha(value, where=""):
     return value
 
 
-def check_top_k(top_k):
-    """`top_k` as None or an int >= 1."""
+def check_top_k(top_k, teacher=None):
+    """`top_k` as None or an int >= 1 (at most the classes `teacher` outputs, if given)."""
     if top_k is None:
         return None
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise TypeError(f"`top_k` must be None or an int >= 1, got {top_k!r}.")
     if top_k < 1:
         raise ValueError(f"`top_k` must be None or an int >= 1, got {top_k}.")
+    if teacher is not None:
+        check_top_k_classes(top_k, output_classes(teacher), "the teacher")
     return top_k
 
 

@@ -18,18 +18,8 @@ import keras
 
 from keras_tpu_mem import backends
 from keras_tpu_mem._utils import logger
-from keras_tpu_mem.distillation.checks import (
-    check_top_k,
-    check_top_k_classes,
-    output_classes,
-    single_output,
-)
-from keras_tpu_mem.distillation.elements import (
-    LOGITS_KEY,
-    TOP_K_INDICES_KEY,
-    TOP_K_VALUES_KEY,
-    is_cached_element,
-)
+from keras_tpu_mem.distillation.checks import check_top_k, check_top_k_classes, single_output
+from keras_tpu_mem.distillation.elements import is_cached_element, teacher_arrays
 from keras_tpu_mem.distillation.loss import top_k_logits
 from keras_tpu_mem.distillation.placement import copy_into_strategy, outside
 from keras_tpu_mem.distillation.structure import concat, nbytes
@@ -51,10 +41,10 @@ def _teacher_fn(teacher, top_k):
         out = single_output(teacher(x, training=False), "a teacher")
         out = ops.cast(out, "float32")
         if top_k is None:
-            return {LOGITS_KEY: out}
+            return teacher_arrays(out)
         check_top_k_classes(top_k, out.shape[-1], "the teacher")
         values, indices = top_k_logits(out, top_k)
-        return {TOP_K_VALUES_KEY: values, TOP_K_INDICES_KEY: indices}
+        return teacher_arrays(top_k_values=values, top_k_indices=indices)
 
     return replica_fn
 
@@ -63,8 +53,7 @@ def cache_dataset(teacher, dataset, *, top_k, path):
     """`cache_teacher_logits` of a tf.data.Dataset of batches (see its docstring)."""
     seam = backends.current("cache_teacher_logits")
     backend, gfile = seam.distillation, seam.storage.gfile
-    top_k = check_top_k(top_k)
-    check_top_k_classes(top_k, output_classes(teacher), "the teacher")
+    top_k = check_top_k(top_k, teacher)
     if backend.is_infinite(dataset):
         raise ValueError(
             "`dataset` is infinite (e.g. `.repeat()`); cache_teacher_logits iterates it "

@@ -30,4 +30,12 @@ def is_cached_element(data) -> bool:
     )
 
 
-__all__ = ["KEYS", "LOGITS_KEY", "TOP_K_INDICES_KEY", "TOP_K_VALUES_KEY", "is_cached_element"]
+def teacher_arrays(logits=None, *, top_k_values=None, top_k_indices=None):
+    """The element's `logits` dict: of all `logits`, or of the teacher's top k."""
+    if logits is not None:
+        return {LOGITS_KEY: logits}
+    return {TOP_K_VALUES_KEY: top_k_values, TOP_K_INDICES_KEY: top_k_indices}
+
+
+__all__ = ["KEYS", "LOGITS_KEY", "TOP_K_INDICES_KEY", "TOP_K_VALUES_KEY", "is_cached_element",
+           "teacher_arrays"]

@@ -15,7 +15,12 @@ import os
 
 import numpy as np
 
-from keras_tpu_mem.distillation.elements import LOGITS_KEY, TOP_K_INDICES_KEY, TOP_K_VALUES_KEY
+from keras_tpu_mem.distillation.elements import (
+    LOGITS_KEY,
+    TOP_K_INDICES_KEY,
+    TOP_K_VALUES_KEY,
+    teacher_arrays,
+)
 from keras_tpu_mem.distillation.structure import (
     DATA_PARTS,
     count_leaves,
@@ -109,10 +114,10 @@ def read(path):
             parts.append(rebuild(spec, iter(arrays[f"{name}_{i}"] for i in range(count))))
     data = parts[0] if metadata["single_x"] else tuple(parts)
     if "logits" in arrays:
-        logits = {LOGITS_KEY: arrays["logits"]}
+        logits = teacher_arrays(arrays["logits"])
     else:
-        logits = {TOP_K_VALUES_KEY: arrays["top_k_values"],
-                  TOP_K_INDICES_KEY: arrays["top_k_indices"]}
+        logits = teacher_arrays(top_k_values=arrays["top_k_values"],
+                                top_k_indices=arrays["top_k_indices"])
     return data, logits, metadata["batch_size"]
 
 

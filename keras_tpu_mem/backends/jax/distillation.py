@@ -5,14 +5,19 @@ out by the active `keras.distribution`, not by a strategy: `model_strategy`,
 `variable_owner` and `active_strategy` answer None, so a teacher always runs
 as it is. A `tf.data.Dataset` can only exist where TensorFlow is already
 loaded: `is_dataset` recognises one without importing TensorFlow, and the
-functions that read or write such datasets are TensorFlow's own. Caching
-logits from a tf.data.Dataset runs the teacher under tf.distribute, which a
-JAX model does not have: `replica_runner` refuses (cache arrays instead).
+functions that read or write such datasets (and directory caches) are
+TensorFlow's own, loaded only when one is asked for. Caching logits from a
+tf.data.Dataset runs the teacher under tf.distribute, which a JAX model does
+not have: `replica_runner` refuses (cache arrays instead).
 """
 
 from __future__ import annotations
 
 import sys
+
+#: The functions on tf.data objects: TensorFlow's half serves them.
+_TF_DATA = frozenset(("is_infinite", "to_numpy", "examples_dataset", "save_examples",
+                      "load_examples", "directory_in_use", "drop_logits", "first_element"))
 
 
 def model_strategy(model):
@@ -41,40 +46,9 @@ def is_dataset(value) -> bool:
     return tf is not None and isinstance(value, tf.data.Dataset)
 
 
-def _tensorflow_half():
-    """TensorFlow's functions, for the tf.data objects a user hands in (TF is loaded)."""
-    from keras_tpu_mem.backends.tensorflow import distillation
+def __getattr__(name):
+    if name in _TF_DATA:
+        from keras_tpu_mem.backends.tensorflow import distillation
 
-    return distillation
-
-
-def is_infinite(dataset) -> bool:
-    return _tensorflow_half().is_infinite(dataset)
-
-
-def to_numpy(element):
-    return _tensorflow_half().to_numpy(element)
-
-
-def examples_dataset(examples):
-    return _tensorflow_half().examples_dataset(examples)
-
-
-def save_examples(examples, path):
-    _tensorflow_half().save_examples(examples, path)
-
-
-def load_examples(paths, num_examples):
-    return _tensorflow_half().load_examples(paths, num_examples)
-
-
-def directory_in_use(path) -> bool:
-    return _tensorflow_half().directory_in_use(path)
-
-
-def drop_logits(dataset):
-    return _tensorflow_half().drop_logits(dataset)
-
-
-def first_element(dataset):
-    return _tensorflow_half().first_element(dataset)
+        return getattr(distillation, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
