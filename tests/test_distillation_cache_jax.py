@@ -9,7 +9,11 @@ for top-k.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -172,3 +176,28 @@ def test_cache_under_data_parallel_equals_plain_predict():
         keras.distribution.set_distribution(None)
     _, logits = _concat_batches(cached)
     np.testing.assert_allclose(logits[LOGITS_KEY], reference, rtol=0, atol=1e-6)
+
+
+def test_a_tf_data_cache_on_jax_says_to_cache_arrays():
+    """JAX with TensorFlow installed: a tf.data.Dataset to cache is refused with advice (its
+    teacher would run under tf.distribute, which a JAX model lacks); in a subprocess, so
+    that this process never loads TensorFlow."""
+    if keras.backend.backend() != "jax":
+        pytest.skip("the JAX backend's answer")
+    if importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("no TensorFlow: a tf.data.Dataset cannot exist")
+    code = (
+        "import numpy as np, keras, tensorflow as tf, keras_tpu_mem as ktm\n"
+        "teacher = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])\n"
+        "data = tf.data.Dataset.from_tensor_slices(np.zeros((8, 4), 'float32')).batch(4)\n"
+        "try:\n"
+        "    ktm.cache_teacher_logits(teacher, data)\n"
+        "except ValueError as error:\n"
+        "    print('REFUSED', error)\n"
+    )
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REFUSED" in proc.stdout and "Keras TensorFlow backend" in proc.stdout
+    assert "cache_teacher_logits(teacher, (x, y)" in proc.stdout
