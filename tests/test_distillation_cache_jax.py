@@ -178,6 +178,18 @@ def test_cache_under_data_parallel_equals_plain_predict():
     np.testing.assert_allclose(logits[LOGITS_KEY], reference, rtol=0, atol=1e-6)
 
 
+#: Run in a subprocess on JAX: caching a tf.data.Dataset, printing the refusal.
+CACHE_A_TF_DATASET = """\
+import numpy as np, keras, tensorflow as tf, keras_tpu_mem as ktm
+teacher = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+data = tf.data.Dataset.from_tensor_slices(np.zeros((8, 4), "float32")).batch(4)
+try:
+    ktm.cache_teacher_logits(teacher, data)
+except ValueError as error:
+    print("REFUSED", error)
+"""
+
+
 def test_a_tf_data_cache_on_jax_says_to_cache_arrays():
     """JAX with TensorFlow installed: a tf.data.Dataset to cache is refused with advice (its
     teacher would run under tf.distribute, which a JAX model lacks); in a subprocess, so
@@ -186,18 +198,8 @@ def test_a_tf_data_cache_on_jax_says_to_cache_arrays():
         pytest.skip("the JAX backend's answer")
     if importlib.util.find_spec("tensorflow") is None:
         pytest.skip("no TensorFlow: a tf.data.Dataset cannot exist")
-    code = (
-        "import numpy as np, keras, tensorflow as tf, keras_tpu_mem as ktm\n"
-        "teacher = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])\n"
-        "data = tf.data.Dataset.from_tensor_slices(np.zeros((8, 4), 'float32')).batch(4)\n"
-        "try:\n"
-        "    ktm.cache_teacher_logits(teacher, data)\n"
-        "except ValueError as error:\n"
-        "    print('REFUSED', error)\n"
-    )
-    env = dict(os.environ, KERAS_BACKEND="jax")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", CACHE_A_TF_DATASET], capture_output=True,
+                          text=True, env={**os.environ, "KERAS_BACKEND": "jax"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "REFUSED" in proc.stdout and "Keras TensorFlow backend" in proc.stdout
     assert "cache_teacher_logits(teacher, (x, y)" in proc.stdout
