@@ -1,8 +1,9 @@
-"""Tests for keras_tpu_mem.distillation (Distillation, cache_teacher_logits).
+"""Tests for keras_tpu_mem.distillation.callback (Distillation) on TensorFlow.
 
 References are independent of the engine: a numpy float64 re-implementation of
 SGD on a linear student with the distillation loss, hand-computed T^2 * KL,
-and plain training with a live teacher.
+and plain training with a live teacher. The helpers here (a linear student,
+its data, the numpy reference) serve the cache and placement tests too.
 """
 
 from __future__ import annotations
@@ -13,26 +14,12 @@ import pytest
 import tensorflow as tf
 from helpers import RaiseAtEpoch
 
-# The backend-neutral tests (KL against float64 numpy, the array cache as a
-# PyDataset, the npz format) live in the JAX module and run here on TensorFlow.
-from test_distillation_jax import (  # noqa: F401  (collected here, on TensorFlow)
-    test_array_cache_bad_arguments,
-    test_cached_arrays_equal_predict_in_the_input_order,
-    test_cached_bare_x_and_sample_weight_keep_their_structure,
-    test_cached_top_k_values_and_indices,
-    test_distillation_kl_equals_float64_numpy,
-    test_distillation_kl_of_bfloat16_logits_is_float32,
-    test_npz_round_trip,
-    test_npz_round_trip_of_dict_inputs,
-)
-
 import keras_tpu_mem.distillation as dist
 from keras_tpu_mem.accumulation import GradientAccumulation
 from keras_tpu_mem.distillation import (
     Distillation,
     cache_teacher_logits,
     distillation_kl,
-    load_teacher_logits,
     prepare_student,
 )
 from keras_tpu_mem.engine import StepContext
@@ -164,26 +151,6 @@ def test_added_term_equals_numpy_t2_kl(temperature, top_k):
     np.testing.assert_allclose(
         distillation_kl(student_logits, temperature, teacher_logits).numpy(),
         np_kl(student_logits, teacher_logits, temperature), rtol=1e-5, atol=1e-7)
-
-
-def test_term_is_float32_for_a_bfloat16_student():
-    rng = np.random.default_rng(4)
-    s16 = tf.cast(rng.normal(scale=4.0, size=(64, CLASSES)), tf.bfloat16)
-    t32 = rng.normal(scale=4.0, size=(64, CLASSES)).astype("float32")
-    kl = distillation_kl(s16, 3.0, t32)
-    assert kl.dtype == tf.float32
-    # Exact against float64 on the bf16 values: a bf16 computation would be ~1e-2 off.
-    expected = np_kl(np.float64(tf.cast(s16, tf.float32).numpy()), t32, 3.0)
-    np.testing.assert_allclose(kl.numpy(), expected, rtol=1e-5, atol=1e-6)
-
-
-def test_top_k_with_all_classes_equals_full_logits():
-    rng = np.random.default_rng(5)
-    s, t = rng.normal(size=(8, CLASSES)), rng.normal(size=(8, CLASSES))
-    values, indices = tf.math.top_k(tf.constant(t, tf.float32), k=CLASSES)
-    np.testing.assert_allclose(
-        distillation_kl(s, 2.0, top_k_values=values, top_k_indices=indices).numpy(),
-        distillation_kl(s, 2.0, t).numpy(), rtol=1e-6, atol=1e-7)
 
 
 # ================================================================ the matrix
@@ -319,70 +286,6 @@ def test_composes_with_bfloat16_pruning_and_accumulation_in_any_order():
     assert all(layer.compute_dtype == "float32" for layer in teacher.layers)
 
 
-# ================================================================ the cache
-def digits_models(seed=0):
-    keras.utils.set_random_seed(seed)
-    teacher = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
-                                keras.layers.Dense(10)])
-    student = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
-                                keras.layers.Dense(10)])
-    student.compile(optimizer=keras.optimizers.Adam(1e-2),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return teacher, student
-
-
-def test_shuffled_cache_trains_like_live_teacher_on_digits(digits):
-    """The cache is shuffled after caching (reshuffled every epoch): the logits must
-    travel with their examples to reproduce the live teacher's training."""
-    (x, y), _ = digits
-    x, y = x[:512], y[:512]
-    weights = {}
-    for source in ("live", "cache", "misaligned"):
-        teacher, student = digits_models()
-        examples = tf.data.Dataset.from_tensor_slices((x, y))
-        if source == "live":
-            data, callback = examples, Distillation(teacher, temperature=3.0, alpha=0.7)
-        else:
-            data = cache_teacher_logits(teacher, examples.batch(100))
-            if source == "misaligned":  # control: logits of other examples
-                logits = np.stack([e[1][dist.LOGITS_KEY] for e in data.as_numpy_iterator()])
-                data = tf.data.Dataset.from_tensor_slices(
-                    ((x, y), {dist.LOGITS_KEY: np.roll(logits, 1, axis=0)}))
-            callback = Distillation(temperature=3.0, alpha=0.7)
-        data = data.shuffle(512, seed=11, reshuffle_each_iteration=True).batch(64)
-        fit(student, data, [callback], epochs=2)
-        weights[source] = student.get_weights()
-    weights_close(weights["cache"], weights["live"], atol=1e-5)
-    assert max(np.abs(a - b).max() for a, b in zip(weights["misaligned"], weights["live"])) > 1e-3
-
-
-def test_saved_top_k_cache_round_trip(tmp_path):
-    x, y = make_data()
-    teacher = linear(7)
-    path = tmp_path / "logits"
-    returned = cache_teacher_logits(teacher, batched(x, y, 24), top_k=3, path=path)
-    loaded = load_teacher_logits(str(path))
-    assert loaded.cardinality().numpy() == len(x)
-    t = teacher_np_logits(x)
-    order = np.argsort(-t, axis=-1)[:, :3]
-    for ds in (returned, loaded):
-        elements = list(ds.as_numpy_iterator())
-        logits = [e[1] for e in elements]
-        np.testing.assert_array_equal(np.stack([e[0][0] for e in elements]), x)
-        np.testing.assert_array_equal(np.stack([e[0][1] for e in elements]), y)
-        np.testing.assert_array_equal(np.stack([e[dist.TOP_K_INDICES_KEY] for e in logits]), order)
-        np.testing.assert_allclose(np.stack([e[dist.TOP_K_VALUES_KEY] for e in logits]),
-                                   np.take_along_axis(t, order, -1), rtol=1e-5, atol=1e-5)
-    # Training from the loaded top-3 cache equals the live teacher with top_k=3.
-    results = []
-    for data, callback in ((loaded.batch(BATCH), Distillation(top_k=None)),
-                           (batched(x, y), Distillation(teacher, top_k=3))):
-        student = compile_student(linear(3))
-        fit(student, data, [callback])
-        results.append(student.get_weights())
-    weights_close(*results, atol=1e-6)
-
-
 def _reachable_tf_functions(fn):
     """Every tf.function reachable from a Python callable through closures."""
     found, seen, stack = [], set(), [fn]
@@ -415,24 +318,6 @@ def _captured_handles(model):
     return handles
 
 
-def _variable_handles(model):
-    return {id(v.value.handle) for v in model.weights}
-
-
-def test_cached_train_step_captures_no_teacher_variable():
-    x, y = make_data()
-    student, teacher = compile_student(linear(3)), linear(7)
-    fit(student, batched(x, y), [Distillation(teacher)])
-    live = _captured_handles(student)
-    # Control: with the live teacher, the step does capture the teacher's variables.
-    assert _variable_handles(teacher) <= live
-    student = compile_student(linear(3))
-    fit(student, cached(teacher, x, y), [Distillation()])
-    captured = _captured_handles(student)
-    assert _variable_handles(student) <= captured
-    assert not _variable_handles(teacher) & captured
-
-
 # ================================================================ schedules, resume
 def temperature_schedule(epoch):
     return 1.0 + epoch
@@ -440,8 +325,6 @@ def temperature_schedule(epoch):
 
 def alpha_schedule(epoch):
     return 0.2 + 0.2 * epoch
-
-
 
 
 def count_traces(callback):
@@ -539,194 +422,6 @@ def test_float32_teacher_with_bfloat16_student():
     np.testing.assert_allclose(history.history["loss"][0], ref_loss, rtol=2e-2)
 
 
-# ================================================================ a teacher from anywhere
-def _replica_handles(model):
-    """ids of the resource handles of the model's variables, one per replica copy."""
-    handles = set()
-    for variable in model.weights:
-        value = variable.value
-        parts = value.values if isinstance(value, tf.distribute.DistributedValues) else (value,)
-        handles.update(id(part.handle) for part in parts)
-    return handles
-
-
-def _copy_records(records, who="Distillation"):
-    return [r for r in records if r.getMessage().startswith(f"{who}: copied the teacher")]
-
-
-def trained_teacher():
-    """linear(7) trained a few SGD steps on the default strategy (its own data and labels)."""
-    teacher = compile_student(linear(7))
-    rng = np.random.default_rng(12)
-    x = rng.normal(size=(64, FEATURES)).astype("float32")
-    fit(teacher, batched(x, rng.integers(0, CLASSES, 64).astype("int32")), [])
-    assert not np.allclose(teacher.get_weights()[0], linear(7).get_weights()[0])
-    return teacher
-
-
-def distil_under(strategy, teacher, x, y, callback=None, epochs=1):
-    callback = callback or Distillation(teacher, temperature=2.0, alpha=0.3)
-    with strategy.scope():
-        student = compile_student(linear(3))
-    history = fit(student, batched(x, y), [callback], epochs=epochs)
-    return student, callback, history.history["loss"]
-
-
-def test_teacher_trained_on_the_default_strategy_distils_like_one_under_the_scope(
-        mirrored, ktm_records):
-    """Floor: under MirroredStrategy(2), a teacher trained on the default strategy gives the
-    loss and weights (1e-5) of the same teacher made under the student's scope, and of the
-    float64 numpy reference; the first runs as a mirrored copy, the second as is."""
-    x, y = make_data()
-    outside = trained_teacher()
-    before = [w.copy() for w in outside.get_weights()]
-    with mirrored.strategy.scope():
-        inside = linear(7)
-        inside.set_weights(before)
-    results = {}
-    for name, teacher in (("outside", outside), ("inside", inside)):
-        student, callback, loss = distil_under(mirrored.strategy, teacher, x, y)
-        results[name] = (student.get_weights(), loss[0], callback, student)
-    w_t, b_t = before
-    ref_w, ref_b, ref_loss = np_train(*linear(3).get_weights(), x, y,
-                                      np.float64(x) @ w_t + b_t, temperature=2.0, alpha=0.3)
-    for name in results:
-        weights_close(results[name][0], [ref_w, ref_b])
-        np.testing.assert_allclose(results[name][1], ref_loss, rtol=1e-5)
-    weights_close(results["outside"][0], results["inside"][0])
-    np.testing.assert_allclose(results["outside"][1], results["inside"][1], rtol=1e-5)
-
-    # The teacher under the scope runs as is: its own variables, on every replica.
-    _, _, callback, student = results["inside"]
-    assert callback.step_teacher is inside and callback.teacher is inside
-    assert all(a is b for a, b in zip(callback.step_teacher.weights, inside.weights))
-    assert _replica_handles(inside) <= _captured_handles(student)
-    # The other runs as a frozen mirrored copy with its weights; the user's model is unchanged.
-    _, _, callback, student = results["outside"]
-    copy = callback.step_teacher
-    assert callback.teacher is outside and copy is not outside and not copy.trainable
-    assert all(isinstance(v.value, tf.distribute.DistributedValues) for v in copy.weights)
-    assert not {id(v) for v in copy.weights} & {id(v) for v in outside.weights}
-    for mine, theirs in zip(copy.get_weights(), before):
-        np.testing.assert_array_equal(mine, theirs)  # assigned, not recomputed: exact
-    captured = _captured_handles(student)
-    assert _replica_handles(copy) <= captured and not _replica_handles(outside) & captured
-    for old, new in zip(before, outside.get_weights()):
-        np.testing.assert_array_equal(old, new)
-    copies = _copy_records(ktm_records)
-    assert len(copies) == 1 and copies[0].levelname == "INFO"
-    message = copies[0].getMessage()
-    assert repr(outside.name) in message and "MirroredStrategy (2 replica(s))" in message
-
-
-def test_teacher_copy_is_made_once_and_takes_the_teachers_current_weights(mirrored,
-                                                                          ktm_records):
-    """Two fits with one callback: one clone, one log line, one trace; the second fit
-    distils the teacher's weights as they are then (numpy reference, epoch by epoch)."""
-    x, y = make_data()
-    teacher = linear(7)
-    callback = Distillation(teacher, temperature=2.0, alpha=0.3)
-    traces = count_traces(callback)
-    with mirrored.strategy.scope():
-        student = compile_student(linear(3))
-    fit(student, batched(x, y), [callback])
-    copy, variables = callback.step_teacher, list(callback.step_teacher.weights)
-    traced = len(traces)  # MirroredStrategy traces the replica function once per replica
-    changed = linear(11).get_weights()
-    teacher.set_weights(changed)  # e.g. the teacher was trained further
-    fit(student, batched(x, y), [callback])
-    assert callback.step_teacher is copy
-    assert all(a is b for a, b in zip(copy.weights, variables))
-    assert len(_copy_records(ktm_records)) == 1
-    assert len(traces) == traced  # the engine reused the step traced with the copy
-    w, b, _ = np_train(*linear(3).get_weights(), x, y, teacher_np_logits(x), temperature=2.0,
-                       alpha=0.3)
-    w, b, _ = np_train(w, b, x, y, teacher_np_logits(x, seed=11), temperature=2.0, alpha=0.3)
-    weights_close(student.get_weights(), [w, b])
-
-
-def test_teacher_under_a_strategy_is_copied_for_a_default_strategy_student(mirrored,
-                                                                           ktm_records):
-    """The other direction: a mirrored teacher with a plain student gets a plain copy."""
-    x, y = make_data()
-    with mirrored.strategy.scope():
-        teacher = linear(7)
-    student, callback, loss = distil_under(tf.distribute.get_strategy(), teacher, x, y)
-    assert not any(isinstance(v.value, tf.distribute.DistributedValues)
-                   for v in callback.step_teacher.weights)
-    ref_w, ref_b, ref_loss = reference(x, y)
-    weights_close(student.get_weights(), [ref_w, ref_b])
-    np.testing.assert_allclose(loss[0], ref_loss, rtol=1e-5)
-    assert len(_copy_records(ktm_records)) == 1
-
-
-class ConfigurableTeacher(keras.Model):
-    """Subclassed, with constructor arguments that get_config can describe."""
-
-    def __init__(self, units=CLASSES, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.head = keras.layers.Dense(units)
-
-    def call(self, x):
-        return self.head(x)
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units}
-
-
-class LayerTakingTeacher(keras.Model):
-    """Subclassed, built from a layer object: clone_model cannot rebuild it."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.head = layer
-
-    def call(self, x):
-        return self.head(x)
-
-
-def subclassed(model):
-    model(np.zeros((2, FEATURES), "float32"))
-    model.set_weights(linear(7).get_weights())
-    return model
-
-
-def test_subclassed_teacher_is_copied_through_its_config_or_refused(mirrored):
-    x, y = make_data()
-    student, callback, loss = distil_under(mirrored.strategy, subclassed(ConfigurableTeacher()),
-                                           x, y)
-    assert isinstance(callback.step_teacher, ConfigurableTeacher)
-    ref_w, ref_b, ref_loss = reference(x, y)
-    weights_close(student.get_weights(), [ref_w, ref_b])
-    np.testing.assert_allclose(loss[0], ref_loss, rtol=1e-5)
-    # No silent fallback to the teacher's own variables: a clear error.
-    teacher = subclassed(LayerTakingTeacher(keras.layers.Dense(CLASSES)))
-    with pytest.raises(ValueError, match=r"could not be copied.*clone_model failed"
-                                         r".*NotImplementedError.*strategy\.scope\(\)"):
-        distil_under(mirrored.strategy, teacher, x, y)
-
-
-def test_cache_under_a_scope_copies_a_teacher_from_elsewhere(mirrored, ktm_records):
-    """cache_teacher_logits inside strategy.scope() with a teacher made outside it runs a
-    copy under that strategy (logged); the logits equal numpy; no copy where none is needed."""
-    x, y = make_data()
-    teacher = linear(7)
-    with mirrored.strategy.scope():
-        data = cache_teacher_logits(teacher, batched(x, y, 24))
-        inside = linear(7)
-        cache_teacher_logits(inside, batched(x, y, 24))
-    cache_teacher_logits(teacher, batched(x, y, 24))  # no scope: the teacher's own strategy
-    copies = _copy_records(ktm_records, "cache_teacher_logits")
-    assert len(copies) == 1 and "MirroredStrategy" in copies[0].getMessage()
-    logits = np.stack([e[1][dist.LOGITS_KEY] for e in data.as_numpy_iterator()])
-    np.testing.assert_allclose(logits, teacher_np_logits(x), rtol=1e-5, atol=1e-5)
-    uncloneable = subclassed(LayerTakingTeacher(keras.layers.Dense(CLASSES)))
-    with mirrored.strategy.scope():
-        with pytest.raises(ValueError, match="could not be copied.*outside the strategy scope"):
-            cache_teacher_logits(uncloneable, batched(x, y, 24))
-
-
 # ================================================================ bad input
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"temperature": 0.0}, ValueError, "temperature"),
@@ -794,43 +489,9 @@ def test_bad_schedule_value_names_the_epoch():
         fit_error(Distillation(linear(7), temperature=lambda epoch: 0.0))
 
 
-def test_bad_cache_arguments(tmp_path):
-    x, y = make_data()
-    teacher = linear(7)
-    with pytest.raises(TypeError, match="tf.data.Dataset or arrays"):
-        cache_teacher_logits(teacher, ("not", "arrays"))
-    with pytest.raises(ValueError, match="infinite"):
-        cache_teacher_logits(teacher, batched(x, y).repeat())
-    with pytest.raises(ValueError, match="larger than the number of classes"):
-        cache_teacher_logits(teacher, batched(x, y), top_k=CLASSES + 1)
-    (tmp_path / "taken").mkdir()
-    (tmp_path / "taken" / "file").write_text("x")
-    with pytest.raises(ValueError, match="not empty"):
-        cache_teacher_logits(teacher, batched(x, y), path=tmp_path / "taken")
-    with pytest.raises(ValueError, match="no teacher-logit cache"):
-        load_teacher_logits(tmp_path / "taken")
-    with pytest.raises(ValueError, match="carries no cached teacher logits|cached teacher logits"):
-        prepare_student(compile_student(linear(3)), batched(x, y))
-
-
 def test_get_config_round_trip():
     callback = Distillation(temperature=3.0, alpha=0.25, top_k=2)
     config = callback.get_config()
     assert config == {"temperature": 3.0, "alpha": 0.25, "top_k": 2}
     again = Distillation.from_config(config)
     assert again.get_config() == config and again.teacher is None
-
-
-@pytest.mark.parametrize("top_k", [None, CLASSES])
-def test_array_cache_pydataset_trains_like_the_live_teacher(tmp_path, top_k):
-    """Arrays in, PyDataset out, fed to fit as returned (and after an npz round trip)."""
-    x, y = make_data()
-    teacher = linear(7)
-    live = compile_student(linear(3))
-    fit(live, batched(x, y), [Distillation(teacher, temperature=2.0, alpha=0.7)])
-    path = tmp_path / "logits.npz"
-    cached = cache_teacher_logits(teacher, (x, y), batch_size=BATCH, top_k=top_k, path=path)
-    for data in (cached, load_teacher_logits(path)):
-        student = compile_student(linear(3))
-        fit(student, data, [Distillation(temperature=2.0, alpha=0.7)])
-        weights_close(student.get_weights(), live.get_weights())
