@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from keras_tpu_mem import devices
 from keras_tpu_mem import monitoring as mon
+from keras_tpu_mem.monitoring import _allocators as allocators
 from keras_tpu_mem.report import load_timeline
 
 BATCH = 128
@@ -582,18 +583,18 @@ def test_throughput_monitor_names_the_bottleneck(tmp_path, log_records):
 
 # ------------------------------------------------------------------ devices
 def test_devices_and_capacity(mirrored, monkeypatch):
-    (shared,) = mon._resolve_devices(mirrored.strategy)
+    (shared,) = allocators.resolve_devices(devices.replica_devices(mirrored.strategy))
     assert shared.label == "CPU (shared)" and shared.shared
     assert shared.replicas == ("CPU:0", "CPU:1")
-    (default,) = mon._resolve_devices(tf.distribute.get_strategy())
+    (default,) = allocators.resolve_devices(devices.replica_devices(tf.distribute.get_strategy()))
     assert default.replicas == ("CPU:0",)
-    assert mon._assign_capacity([shared], None).startswith("unknown")
+    assert allocators.assign_capacity([shared], None).startswith("unknown")
     assert shared.capacity is None
 
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v3-8")
-    assert mon._tpu_capacity()[0] == 16 * devices.GIB
+    assert devices.capacity("TPU:0")[0] == 16 * devices.GIB
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-16")
-    assert mon._tpu_capacity()[0] == 16 * devices.GB
-    tpu = mon._Device("TPU:0", ("TPU:0",), ("TPU:0",), shared=False)
-    assert "HBM_TABLE" in mon._assign_capacity([tpu], None)
+    assert devices.capacity("TPU:0")[0] == 16 * devices.GB
+    tpu = allocators._Device("TPU:0", ("TPU:0",), ("TPU:0",), shared=False)
+    assert "HBM_TABLE" in allocators.assign_capacity([tpu], None)
     assert tpu.capacity == 16 * devices.GB

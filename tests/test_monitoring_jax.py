@@ -25,8 +25,9 @@ import numpy as np
 import pytest
 from helpers_jax import make_distribution, scope
 
-from keras_tpu_mem import devices
+from keras_tpu_mem import backends, devices
 from keras_tpu_mem import monitoring as mon
+from keras_tpu_mem.monitoring import _allocators as allocators
 from keras_tpu_mem.monitoring import _writer
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
@@ -212,7 +213,7 @@ def test_each_accelerator_device_is_read_on_its_own(case, tmp_path, monkeypatch,
     """Per-device entries, capacity from bytes_limit, phases told apart by the mark."""
     steps_per_epoch = 8
     fake = _FakeAllocator(leak_step=steps_per_epoch + 3)  # rises again in epoch 2
-    monkeypatch.setattr(devices, "jax_memory_stats", fake.stats)
+    monkeypatch.setattr(backends.get("jax").devices, "memory_stats", fake.stats)
     distribution = make_distribution(case)
     x, y = _data(64 * steps_per_epoch)
     with scope(distribution):
@@ -277,26 +278,31 @@ def test_a_tpu_without_statistics_is_unreadable_not_host_rss(monkeypatch, ktm_re
         def memory_stats(self):
             return None
 
-    (device,) = mon._resolve_jax_devices([Tpu()])
+    (device,) = allocators.resolve_devices([Tpu()])
     assert device.label == "TPU:0" and not device.shared
     assert devices.memory_source(Tpu()) is None
-    assert devices.jax_capacity(Tpu()) == (32 * devices.GIB, "TPU v4 per replica (ktm.HBM_TABLE)")
+    assert devices.capacity(Tpu()) == (32 * devices.GIB, "TPU v4 per replica (ktm.HBM_TABLE)")
     reading = devices.read_memory_reading(Tpu())
     assert reading.device == "TPU:0" and reading.source is None and not reading.readable
 
 
 def test_jax_readers_by_name():
-    (first,) = devices.monitored_jax_devices()
+    (first,) = devices.replica_devices()
     assert first == jax.local_devices()[0]
-    assert devices.jax_device_name(first) == "CPU:0"
-    assert devices.jax_memory_stats(first) is None  # JAX's CPU devices keep none
+    assert devices.device_name(first) == "CPU:0"
+    assert devices.memory_stats(first) is None  # JAX's CPU devices keep none
     assert devices.read_memory(first) is None and devices.reset_peak(first) is False
     assert devices.is_host_device(first) and devices.memory_source(first) == "host_rss"
     mp = make_distribution("mp2x4")
-    assert [devices.jax_device_name(d) for d in devices.monitored_jax_devices(mp)] == \
+    assert [devices.device_name(d) for d in devices.replica_devices(mp)] == \
         _mesh_names(mp)
     reading = devices.read_memory_reading(first)
     assert reading.source == "host_rss" and reading.process_wide and reading.current_bytes > 0
+    # The names these readers had before `keras_tpu_mem.devices` served both backends.
+    assert devices.monitored_jax_devices is devices.replica_devices
+    assert devices.jax_device_name is devices.device_name
+    assert devices.jax_memory_stats is devices.memory_stats
+    assert devices.jax_capacity is devices.capacity
 
 
 class _InterruptAt(keras.callbacks.Callback):

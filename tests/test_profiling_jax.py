@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from helpers_jax import make_distribution, scope
 
-from keras_tpu_mem import devices, profiling
+from keras_tpu_mem import backends, devices, profiling
 from keras_tpu_mem.profiling import ProfileWindow, batch_size_sweep
 
 HAS_CONVERTER = profiling._Converter().available
@@ -286,7 +286,7 @@ def test_sweep_on_an_accelerator_marks_peaks_that_did_not_rise(monkeypatch):
         model.fit = fit
         return model
 
-    monkeypatch.setattr(devices, "jax_memory_stats", stats)
+    monkeypatch.setattr(backends.get("jax").devices, "memory_stats", stats)
     x, y = _data(256)
     result = batch_size_sweep(build_fn, lambda b: (x, y), [8, 16, 32], steps=2, verbose=0)
     assert [r.memory_source for r in result.rows] == ["allocator"] * 3
