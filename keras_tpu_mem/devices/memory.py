@@ -30,7 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from keras_tpu_mem.devices import host, listing, specs
+from keras_tpu_mem.devices.host import host_memory_readable, read_host_memory, reset_host_peak
+from keras_tpu_mem.devices.listing import (
+    backend_devices,
+    device_kinds,
+    device_name,
+    device_platform,
+    is_host_device,
+)
+from keras_tpu_mem.devices.specs import gpu_memory_bytes, lookup_tpu
 
 #: The device's allocator statistics: `tf.config.experimental.get_memory_info` on
 #: TensorFlow, `jax.Device.memory_stats()` on JAX.
@@ -91,7 +99,6 @@ class MemoryReading:
         return self.current_bytes is not None
 
 
-
 def memory_stats(device) -> dict | None:
     """A device allocator's statistics, or `None` where it keeps none.
 
@@ -99,7 +106,7 @@ def memory_stats(device) -> dict | None:
     `bytes_limit` (JAX's TPU and GPU devices). TensorFlow's CPU allocator with
     oneDNN off, JAX's CPU devices and an unknown device give `None`.
     """
-    return listing.backend_devices().memory_stats(device)
+    return backend_devices().memory_stats(device)
 
 
 def read_memory(device, *, source: str = SOURCE_ALLOCATOR) -> tuple[int, int] | None:
@@ -110,14 +117,14 @@ def read_memory(device, *, source: str = SOURCE_ALLOCATOR) -> tuple[int, int] | 
     off (the default on CPUs without AVX-512, or `TF_ENABLE_ONEDNN_OPTS=0`),
     because the plain CPU allocator keeps no statistics; JAX's CPU devices
     keep none either. `source="host_rss"` reads the whole process's resident
-    memory (`host.read_host_memory`) whatever `device` is; use it only for the
+    memory (`read_host_memory`) whatever `device` is; use it only for the
     host (see `memory_source`).
 
     Raises:
         ValueError: if `source` is not `"allocator"` or `"host_rss"`.
     """
     if _check_source(source) == SOURCE_HOST_RSS:
-        return host.read_host_memory()
+        return read_host_memory()
     stats = memory_stats(device)
     if stats is None or stats.get("bytes_in_use") is None:
         return None
@@ -130,7 +137,7 @@ def reset_peak(device, *, source: str = SOURCE_ALLOCATOR) -> bool:
 
     With `source="host_rss"` the peak starts again from the current RSS; the
     result says whether the OS high-water mark could be reset too (see
-    `host.reset_host_peak`). A `jax.Device`'s allocator peak cannot be reset:
+    `reset_host_peak`). A `jax.Device`'s allocator peak cannot be reset:
     JAX exposes no such call (its `peak_bytes_in_use` counts from the process
     start), so this returns False for one.
 
@@ -138,8 +145,8 @@ def reset_peak(device, *, source: str = SOURCE_ALLOCATOR) -> bool:
         ValueError: if `source` is not `"allocator"` or `"host_rss"`.
     """
     if _check_source(source) == SOURCE_HOST_RSS:
-        return host.reset_host_peak()
-    return listing.backend_devices().reset_peak(device)
+        return reset_host_peak()
+    return backend_devices().reset_peak(device)
 
 
 def memory_source(device) -> str | None:
@@ -152,7 +159,7 @@ def memory_source(device) -> str | None:
     """
     if read_memory(device) is not None:
         return SOURCE_ALLOCATOR
-    if listing.is_host_device(device) and host.host_memory_readable():
+    if is_host_device(device) and host_memory_readable():
         return SOURCE_HOST_RSS
     return None
 
@@ -162,28 +169,28 @@ def capacity(device) -> tuple[int | None, str]:
 
     The runtime's `bytes_limit` where the allocator reports one (JAX on TPU
     and GPU); else a TPU's per-replica HBM from `HBM_TABLE` by its accelerator
-    type or device kind (`listing.device_kinds`), a GPU's size from its name;
+    type or device kind (`device_kinds`), a GPU's size from its name;
     `None` on CPU.
     """
     stats = memory_stats(device)
     if stats and stats.get("bytes_limit"):
-        reader = listing.backend_devices().ALLOCATOR_READER
+        reader = backend_devices().ALLOCATOR_READER
         return int(stats["bytes_limit"]), f"bytes_limit of {reader}"
-    platform = listing.device_platform(device)
+    platform = device_platform(device)
     if platform == "TPU":
-        kinds = listing.device_kinds(device)
+        kinds = device_kinds(device)
         for kind in kinds:
             try:
-                spec = specs.lookup_tpu(kind)
+                spec = lookup_tpu(kind)
             except (ValueError, TypeError):
                 continue
             return spec.hbm_bytes_per_replica, f"{spec.device_kind} per replica (ktm.HBM_TABLE)"
         tried = f" ({', '.join(map(repr, kinds))})" if kinds else ""
         return None, f"TPU generation unknown{tried}"
     if platform == "GPU":
-        kinds = listing.device_kinds(device)
+        kinds = device_kinds(device)
         name = kinds[0] if kinds else None
-        size = specs.gpu_memory_bytes(name)
+        size = gpu_memory_bytes(name)
         return size, (f"{name} (from its name)" if size else f"{name or 'GPU'}: unknown")
     return None, "unknown on CPU (pass capacity_bytes=)"
 
@@ -215,7 +222,7 @@ def read_memory_reading(device, *, capacity_bytes: int | None = None,
     value = read_memory(device, source=source) if source is not None else None
     if source == SOURCE_ALLOCATOR and capacity_bytes is None:
         capacity_bytes = capacity(device)[0]
-    name = listing.device_name(device)
+    name = device_name(device)
     if value is None:
         return MemoryReading(name, None, None, capacity_bytes, shared, None, False)
     on_host = source == SOURCE_HOST_RSS

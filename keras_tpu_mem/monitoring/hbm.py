@@ -168,25 +168,23 @@ class HBMMonitor(_MonitorBase):
                 continue
             if device.shared and devices.host_memory_readable():
                 device.use_host_rss()
-                why, framework, fix = (backend.devices.HOST_RSS_WHY, backend.label,
-                                       backend.devices.HOST_RSS_FIX)
                 self._notice(
                     "host_rss",
                     "HBMMonitor: memory source: host RSS. %s, so the hbm_* keys carry the "
                     "resident memory of the whole process (%r; peak: %s): weights, data, "
                     "Python and %s itself, not HBM. %s",
-                    why, HOST_RSS_LABEL, devices.host_peak_method(), framework, fix,
+                    backend.devices.HOST_RSS_WHY, HOST_RSS_LABEL, devices.host_peak_method(),
+                    backend.label, backend.devices.HOST_RSS_FIX,
                 )
             else:
                 unreadable.append(device)
         if unreadable:
             names = ", ".join(d.label for d in unreadable)
-            what = backend.devices.UNREADABLE_WHY
             self._notice(
                 "unreadable",
                 "HBMMonitor: cannot read memory on %s: %s. Training continues without "
                 "memory logging for %s.",
-                names, what, "it" if len(unreadable) == 1 else "them",
+                names, backend.devices.UNREADABLE_WHY, "it" if len(unreadable) == 1 else "them",
                 warning=True,
             )
             self._devices = [d for d in self._devices if d not in unreadable]
