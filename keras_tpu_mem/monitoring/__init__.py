@@ -30,36 +30,26 @@ Both work on the TensorFlow and the JAX backend; what each reads where is in
 One job per module: `_layout` (file names, labels and the table format, shared
 with the report; imports no framework), `_writer` (the run directory's files,
 written from a background thread), `_base` (argument checks, the never-break
-guard, the step counter), `hbm` (`HBMMonitor`), `throughput`
-(`ThroughputMonitor`) and `input_rate` (`measure_input_rate`). Every name that
-`keras_tpu_mem.monitoring` offered as one module is importable from it still,
-loaded from its module on first use (PEP 562): importing
-`keras_tpu_mem.monitoring._layout` (as `keras-tpu-mem report` does) loads
-neither Keras nor a framework.
+guard, the step counter), `_allocators` (which allocators `HBMMonitor` reads,
+through `keras_tpu_mem.devices`, and their peak intervals), `_hbm_summary` (its
+peaks per phase, summary and table), `hbm` (`HBMMonitor`), `throughput`
+(`ThroughputMonitor`) and `input_rate` (`measure_input_rate`). The public names
+are importable from this package, loaded from their module on first use (PEP
+562): importing `keras_tpu_mem.monitoring._layout` (as `keras-tpu-mem report`
+does) loads neither Keras nor a framework. `hbm`, `_allocators` and `throughput`
+import no framework and test no backend: the backend's part is in
+`keras_tpu_mem.devices` and `backends`.
 """
 
 from __future__ import annotations
 
 import importlib
 
-# Name -> the submodule that defines it. The private names are re-exported for
-# report.py and the tests, which import them from here as they did from the
-# single module.
+# Name -> the submodule that defines it.
 _EXPORTS = {
-    **dict.fromkeys(("_check_fraction", "_check_int", "_check_log_dir",
-                     "_check_optional_positive_int", "_MonitorBase", "_never_raise",
-                     "_read_iterations", "_StepCounter"), "_base"),
-    **dict.fromkeys(("SUMMARY_FILE", "TIMELINE_FILE", "MEMORY_SUBDIR", "THROUGHPUT_SUBDIR",
-                     "SHARED_CPU_LABEL", "HOST_RSS_LABEL", "SOURCE_TAG", "UPPER_BOUND_MARK",
-                     "format_table", "_fmt_bytes", "source_column"), "_layout"),
-    **dict.fromkeys(("_last_attempt", "_RunFiles", "_tail_lines"), "_writer"),
-    **dict.fromkeys(("HBMMonitor", "_GIB", "_PHASES", "_assign_capacity", "_Device",
-                     "_DeviceStats", "_gpu_capacity", "_max", "_read", "_reset",
-                     "_resolve_devices", "_resolve_jax_devices", "_short", "_tag",
-                     "_tpu_capacity"), "hbm"),
-    **dict.fromkeys(("InputRate", "_check_dataset", "_leading_dim", "input_verdict",
-                     "measure_input_rate"), "input_rate"),
+    "HBMMonitor": "hbm",
     "ThroughputMonitor": "throughput",
+    **dict.fromkeys(("InputRate", "input_verdict", "measure_input_rate"), "input_rate"),
 }
 
 __all__ = ["HBMMonitor", "InputRate", "ThroughputMonitor", "measure_input_rate"]

@@ -2,272 +2,37 @@
 
 Reads each device's allocator, or, where a CPU allocator keeps no statistics,
 the resident memory of the whole process, and names the source of every figure.
-The backend's readers live in `keras_tpu_mem.devices` (TensorFlow device names
-or `jax.Device`s); this module only picks the devices and keeps the phases.
+The readers live in `keras_tpu_mem.devices` (for TensorFlow device names or
+`jax.Device`s, the backend's part in `backends/<name>/devices.py`),
+`_allocators` groups the devices and keeps the peak intervals, `_hbm_summary`
+the peaks per phase and the end-of-fit table; this module keeps the phases.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-import re
 import time
 
-import keras
-
-from keras_tpu_mem import devices
+from keras_tpu_mem import backends, devices
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.monitoring._allocators import (
+    _Device,
+    assign_capacity,
+    peak_exact,
+    read,
+    reset,
+    resolve_devices,
+)
 from keras_tpu_mem.monitoring._base import (
     _check_fraction,
     _MonitorBase,
     _never_raise,
     _StepCounter,
 )
-from keras_tpu_mem.monitoring._layout import (
-    HOST_RSS_LABEL,
-    MEMORY_SUBDIR,
-    SHARED_CPU_LABEL,
-    SOURCE_TAG,
-    UPPER_BOUND_MARK,
-    _fmt_bytes,
-    format_table,
-    source_column,
-)
+from keras_tpu_mem.monitoring._hbm_summary import DeviceStats, summarize, summary_table
+from keras_tpu_mem.monitoring._layout import HOST_RSS_LABEL, MEMORY_SUBDIR, SOURCE_TAG
 
 _GIB = float(devices.GIB)
-
-# Per backend: why the host's RSS stands in, what the framework is called, and
-# how to get allocator figures instead (the host-RSS notice).
-_HOST_RSS_WHY = {
-    "tensorflow": (
-        "The CPU allocator keeps no statistics here (oneDNN is off: TensorFlow's default on "
-        "CPUs without AVX-512, or TF_ENABLE_ONEDNN_OPTS=0)", "TensorFlow",
-        "TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow starts gives allocator figures."),
-    "jax": (
-        "JAX's CPU devices keep no memory statistics (jax.Device.memory_stats() is None)",
-        "JAX", "On a TPU or GPU the monitor reads each device's own memory_stats() instead."),
-}
-# Per backend: what reads a device's allocator (notices, the TensorBoard text).
-_ALLOCATOR_READER = {
-    "tensorflow": "tf.config.experimental.get_memory_info",
-    "jax": "jax.Device.memory_stats()",
-}
-
-
-# ------------------------------------------------------------------ devices
-@dataclasses.dataclass
-class _Device:
-    """One allocator to read: a TPU/GPU device, or the host CPU shared by replicas.
-
-    `queries` are what the readers of `keras_tpu_mem.devices` take: TensorFlow
-    device names, or `jax.Device`s on JAX. `resettable` says whether the peak
-    counter can be reset (None until tried); where it cannot (JAX), `mark` is
-    the peak read when the current phase began: a later peak above it was
-    reached in this phase (exact), one at it is only an upper bound.
-    """
-
-    label: str
-    queries: tuple
-    replicas: tuple[str, ...]
-    shared: bool
-    capacity: int | None = None
-    tag: str = ""  # the label as a TensorBoard tag part
-    source: str = devices.SOURCE_ALLOCATOR
-    backend: str = "tensorflow"
-    resettable: bool | None = None
-    mark: int | None = None
-
-    def __post_init__(self):
-        self.tag = self.tag or _tag(self.label)
-
-    @property
-    def process_wide(self) -> bool:
-        return self.source == devices.SOURCE_HOST_RSS
-
-    def use_host_rss(self) -> None:
-        """Reads the process's resident memory instead of this CPU allocator."""
-        self.source = devices.SOURCE_HOST_RSS
-        self.label = HOST_RSS_LABEL
-        self.tag = "process"
-
-
-def _tag(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_")
-
-
-def _short(name: str) -> str:
-    return name.split("device:")[-1]
-
-
-def _resolve_devices(strategy) -> list[_Device]:
-    """The allocators behind the replicas; all logical CPUs share one."""
-    result: list[_Device] = []
-    cpu_replicas = []
-    for name in devices.replica_device_names(strategy):
-        short = _short(name)
-        if short.upper().startswith("CPU"):
-            cpu_replicas.append(short)
-            continue
-        queries = (name, short) if name != short else (short,)
-        result.append(_Device(short, queries, (short,), shared=False))
-    if cpu_replicas:
-        result.insert(0, _Device(SHARED_CPU_LABEL, ("CPU:0",), tuple(cpu_replicas), shared=True))
-    return result
-
-
-def _resolve_jax_devices(jax_devices=None) -> list[_Device]:
-    """The allocators of a JAX step's devices (`devices.monitored_jax_devices`).
-
-    A TPU or GPU device is read on its own (`memory_stats()`), also under
-    `ModelParallel`, where each device holds its own shard. CPU devices that
-    keep no statistics (JAX's) share the host's memory: one shared entry lists
-    them all, and is read from the host RSS.
-    """
-    if jax_devices is None:
-        jax_devices = devices.monitored_jax_devices()
-    result: list[_Device] = []
-    host = []
-    for device in jax_devices:
-        name = devices.jax_device_name(device)
-        readable = devices.read_memory(device) is not None
-        if devices.is_host_device(device) and not readable:
-            host.append((device, name))
-            continue
-        result.append(_Device(name, (device,), (name,), shared=False, backend="jax",
-                              resettable=False))
-    if host:
-        result.insert(0, _Device(SHARED_CPU_LABEL, (host[0][0],), tuple(n for _, n in host),
-                                 shared=True, backend="jax", resettable=False))
-    return result
-
-
-def _tpu_capacity() -> tuple[int | None, str]:
-    import tensorflow as tf
-
-    accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")
-    kinds = [accelerator] if accelerator else []
-    for lister in (tf.config.list_physical_devices, tf.config.list_logical_devices):
-        try:
-            found = lister("TPU")[:1]
-        except Exception:
-            found = []
-        for device in found:
-            try:
-                kinds.append(tf.config.experimental.get_device_details(device).get("device_kind"))
-            except Exception:
-                pass
-    for kind in kinds:
-        if not kind:
-            continue
-        try:
-            spec = devices.lookup_tpu(kind)
-        except ValueError:
-            continue
-        return spec.hbm_bytes_per_replica, f"{spec.device_kind} per replica (ktm.HBM_TABLE)"
-    return None, "TPU generation unknown"
-
-
-def _gpu_capacity() -> tuple[int | None, str]:
-    import tensorflow as tf
-
-    try:
-        gpu = tf.config.list_physical_devices("GPU")[0]
-        name = tf.config.experimental.get_device_details(gpu).get("device_name")
-    except Exception:
-        name = None
-    capacity = devices.gpu_memory_bytes(name)
-    return capacity, (f"{name} (from its name)" if capacity else f"{name or 'GPU'}: unknown")
-
-
-def _assign_capacity(device_list, capacity_bytes) -> str:
-    """Fills in each device's capacity; returns where the figure came from."""
-    if capacity_bytes is not None:
-        for device in device_list:
-            device.capacity = capacity_bytes
-        return "capacity_bytes argument"
-    source = "unknown on CPU (pass capacity_bytes=)"
-    for device in device_list:
-        if device.shared:
-            continue
-        if device.backend == "jax":
-            device.capacity, source = devices.jax_capacity(device.queries[0])
-        elif device.label.upper().startswith("TPU"):
-            device.capacity, source = _tpu_capacity()
-        elif device.label.upper().startswith("GPU"):
-            device.capacity, source = _gpu_capacity()
-    return source
-
-
-def _read(device: _Device) -> tuple[int, int] | None:
-    if device.source == devices.SOURCE_HOST_RSS:
-        return devices.read_host_memory()
-    for query in device.queries:
-        value = devices.read_memory(query)
-        if value is not None:
-            if len(device.queries) > 1:
-                device.queries = (query,)  # remember the spelling that works
-            return value
-    return None
-
-
-def _reset(device: _Device) -> bool:
-    """Starts a new peak interval; False where the peak counter cannot be reset.
-
-    Where it cannot (JAX's allocators), the peak read now becomes the device's
-    `mark`, against which the next readings tell whether they are exact.
-    """
-    if device.source == devices.SOURCE_HOST_RSS:
-        devices.reset_host_peak()  # False: sampled peaks only; said once at set-up
-        return True
-    done = any(devices.reset_peak(query) for query in device.queries)
-    device.resettable = done
-    if not done:
-        value = _read(device)
-        device.mark = None if value is None else value[1]
-    return done
-
-
-def _peak_exact(device: _Device, peak: int) -> bool:
-    """Whether `peak` is this interval's own peak, not an upper bound of it.
-
-    After a reset it is. Without one it is exactly when it rose above the mark
-    read when the interval began: the high-water mark was raised in between.
-    """
-    if device.resettable is not False or device.source == devices.SOURCE_HOST_RSS:
-        return True
-    return device.mark is not None and peak > device.mark
-
-
-
-# ================================================================ HBMMonitor
-_PHASES = ("compile", "train", "eval")
-
-
-@dataclasses.dataclass
-class _DeviceStats:
-    peaks: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(_PHASES))
-    # Per phase: whether its peak is the phase's own (True) or an upper bound
-    # (False: a counter that cannot be reset stayed at a mark set earlier).
-    exact: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(_PHASES))
-    best: int | None = None        # highest compile/train reading of the fit
-    peak_step: int | None = None   # the step it was read at
-    epoch_train_peak: int | None = None
-    epoch_eval_peak: int | None = None
-    current: int | None = None
-
-    @property
-    def max_peak(self) -> int | None:
-        values = [v for v in self.peaks.values() if v is not None]
-        return max(values) if values else None
-
-
-def _max(a, b):
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return max(a, b)
 
 
 class HBMMonitor(_MonitorBase):
@@ -383,7 +148,7 @@ class HBMMonitor(_MonitorBase):
         self.capacity_bytes = capacity_bytes
         self.warn_headroom = _check_fraction(warn_headroom, "warn_headroom")
         self._devices: list[_Device] = []
-        self._stats: dict[str, _DeviceStats] = {}
+        self._stats: dict[str, DeviceStats] = {}
         self._in_fit = False
         self._active = False
         self._phase = "train"
@@ -393,44 +158,42 @@ class HBMMonitor(_MonitorBase):
     # ------------------------------------------------------------ plumbing
     def _setup(self) -> bool:
         """Finds the devices, picks each one's source; False if none can be read."""
-        self._backend = keras.backend.backend()
-        if self._backend == "jax":
-            self._devices = _resolve_jax_devices()
-        else:
-            self._devices = _resolve_devices(self.model.distribute_strategy)
-        self._capacity_source = _assign_capacity(self._devices, self.capacity_bytes)
+        backend = backends.current("HBMMonitor")
+        self._reader = backend.devices.ALLOCATOR_READER
+        self._devices = resolve_devices(devices.model_devices(self.model))
+        self._capacity_source = assign_capacity(self._devices, self.capacity_bytes)
         unreadable = []
         for device in self._devices:
-            if _read(device) is not None:
+            if read(device) is not None:
                 continue
             if device.shared and devices.host_memory_readable():
                 device.use_host_rss()
-                why, framework, fix = _HOST_RSS_WHY.get(self._backend, _HOST_RSS_WHY["tensorflow"])
                 self._notice(
                     "host_rss",
                     "HBMMonitor: memory source: host RSS. %s, so the hbm_* keys carry the "
                     "resident memory of the whole process (%r; peak: %s): weights, data, "
                     "Python and %s itself, not HBM. %s",
-                    why, HOST_RSS_LABEL, devices.host_peak_method(), framework, fix,
+                    backend.devices.HOST_RSS_WHY, HOST_RSS_LABEL, devices.host_peak_method(),
+                    backend.label, backend.devices.HOST_RSS_FIX,
                 )
             else:
                 unreadable.append(device)
         if unreadable:
             names = ", ".join(d.label for d in unreadable)
-            what = ("jax.Device.memory_stats() returns nothing there" if self._backend == "jax"
-                    else "TensorFlow keeps no allocator statistics there")
             self._notice(
                 "unreadable",
                 "HBMMonitor: cannot read memory on %s: %s. Training continues without "
                 "memory logging for %s.",
-                names, what, "it" if len(unreadable) == 1 else "them",
+                names, backend.devices.UNREADABLE_WHY, "it" if len(unreadable) == 1 else "them",
                 warning=True,
             )
             self._devices = [d for d in self._devices if d not in unreadable]
-        self._stats = {d.label: _DeviceStats() for d in self._devices}
+        self._stats = {d.label: DeviceStats() for d in self._devices}
         if self._devices and not any(d.process_wide for d in self._devices):
             # (The host-RSS notice above already names its source.)
-            reader = f" ({_ALLOCATOR_READER['jax']})" if self._backend == "jax" else ""
+            # Where no peak can be reset, name the reader: its peak is a process-wide mark.
+            fixed_peak = backend.devices.PEAK_RESETTABLE is False
+            reader = f" ({self._reader})" if fixed_peak else ""
             self._notice("sources", "HBMMonitor: memory source: %s.", "; ".join(
                 f"{d.label} <- {devices.describe_source(d.source)}{reader}"
                 for d in self._devices))
@@ -452,7 +215,7 @@ class HBMMonitor(_MonitorBase):
                            f"statistics); peak: {devices.host_peak_method()}; not HBM")
             elif d.resettable is False:
                 meaning = (f"the device allocator's bytes in use and peak "
-                           f"({_ALLOCATOR_READER.get(d.backend, 'allocator')}); the peak is a "
+                           f"({self._reader}); the peak is a "
                            "high-water mark since the process started that cannot be reset: a "
                            "phase's peak is exact where the phase raised it, else an upper "
                            "bound (peak_exact false)")
@@ -463,7 +226,7 @@ class HBMMonitor(_MonitorBase):
         self._files.text(step, SOURCE_TAG, "\n".join(rows))
 
     def _reset_peaks(self) -> None:
-        fixed = [device for device in self._devices if not _reset(device)]
+        fixed = [device for device in self._devices if not reset(device)]
         if fixed:
             names = ", ".join(d.label for d in fixed)
             self._notice(
@@ -475,33 +238,21 @@ class HBMMonitor(_MonitorBase):
                 "phase stayed at or below a peak reached earlier; the same step program "
                 "reaches the same peak, so training steps after the first usually show "
                 "'<= first step').", names,
-                _ALLOCATOR_READER.get(fixed[0].backend, "the allocator"),
+                self._reader,
             )
 
     def _take_reading(self, phase: str) -> dict[str, tuple[int, int, bool]]:
         """`{label: (current, peak, exact)}`; `exact` is False for an upper bound."""
         readings = {}
         for device in self._devices:
-            value = _read(device)
+            value = read(device)
             if value is None:
                 continue
             current, peak = value
-            exact = _peak_exact(device, peak)
+            exact = peak_exact(device, peak)
             readings[device.label] = (current, peak, exact)
-            stats = self._stats[device.label]
-            stats.current = current
-            old = stats.peaks[phase]
-            if old is None or peak > old:
-                stats.peaks[phase], stats.exact[phase] = peak, exact
-            elif peak == old:
-                stats.exact[phase] = bool(stats.exact[phase]) or exact
-            if phase == "eval":
-                stats.epoch_eval_peak = _max(stats.epoch_eval_peak, peak)
-            else:
-                stats.epoch_train_peak = _max(stats.epoch_train_peak, peak)
-                if stats.best is None or peak > stats.best:
-                    stats.best = peak
-                    stats.peak_step = self._counter.current if self._counter else None
+            step = self._counter.current if self._counter else None
+            self._stats[device.label].add(phase, current, peak, exact, step)
         self._check_headroom(readings, phase)
         return readings
 
@@ -720,60 +471,10 @@ class HBMMonitor(_MonitorBase):
 
     # -------------------------------------------------------------- summary
     def _summary(self) -> dict:
-        result = {"capacity_source": self._capacity_source, "devices": {},
-                  "memory_sources": self.memory_sources}
-        if any(d.process_wide for d in self._devices):
-            result["host_rss_peak"] = devices.host_peak_method()
-        if any(d.resettable is False and not d.process_wide for d in self._devices):
-            result["allocator_peak"] = (
-                "high-water mark since the process started (it cannot be reset): a phase's "
-                "peak is exact where the phase raised it, else an upper bound "
-                "(peak_exact false)")
-        for device in self._devices:
-            stats = self._stats[device.label]
-            peak = stats.max_peak
-            headroom = (1.0 - peak / device.capacity) if (
-                peak is not None and device.capacity) else None
-            result["devices"][device.label] = {
-                "compile_peak_bytes": stats.peaks["compile"],
-                "train_peak_bytes": stats.peaks["train"],
-                "eval_peak_bytes": stats.peaks["eval"],
-                "capacity_bytes": device.capacity,
-                "headroom": headroom,
-                "peak_step": stats.peak_step,
-                "shared": device.shared,
-                "replicas": list(device.replicas),
-                "source": device.source,
-                "process_wide": device.process_wide,
-            }
-            if device.resettable is False and not device.process_wide:
-                result["devices"][device.label]["peak_exact"] = dict(stats.exact)
-        return result
+        return summarize(self._devices, self._stats, self._capacity_source)
 
     def _log_table(self, title="HBMMonitor") -> None:
         summary = self._summary()
-        rows = [("device", "source", "first step", "training", "evaluation", "capacity",
-                 "headroom", "peak at step")]
-        for label, info in summary["devices"].items():
-            headroom = info["headroom"]
-            exact = info.get("peak_exact") or {}
-            rows.append((
-                label,
-                source_column(info.get("source")),
-                _fmt_bytes(info["compile_peak_bytes"], exact.get("compile")),
-                _fmt_bytes(info["train_peak_bytes"], exact.get("train")),
-                _fmt_bytes(info["eval_peak_bytes"], exact.get("eval")),
-                devices.format_bytes(info["capacity_bytes"]),
-                "unknown" if headroom is None else f"{100 * headroom:.1f}%",
-                "-" if info["peak_step"] is None else str(info["peak_step"]),
-            ))
-        note = ""
-        if "host_rss_peak" in summary:
-            note = ("\nhost RSS: resident memory of the whole process, not HBM; peak = "
-                    + summary["host_rss_peak"])
-        if "allocator_peak" in summary:
-            note += (f"\n{UPPER_BOUND_MARK.strip()} X: an upper bound; allocator peak = "
-                     + summary["allocator_peak"])
-        logger.info("%s: peak memory per device (capacity: %s)\n%s%s", title,
-                    summary["capacity_source"], format_table(rows), note)
+        logger.info("%s: peak memory per device (capacity: %s)\n%s", title,
+                    summary["capacity_source"], summary_table(summary))
         self.summary = summary

@@ -1,0 +1,124 @@
+"""Devices and their memory on TensorFlow: device names and `tf.config`'s allocator.
+
+Contract (same in `backends/jax/devices.py`); a *device* is what this backend's
+readers take, here a TensorFlow device name (`"TPU:3"` or
+`"/job:localhost/replica:0/task:0/device:CPU:0"`):
+
+* `replica_devices(where=None)`: the devices a training step runs on in this
+  process; `where` is a `tf.distribute.Strategy` (None: the current one).
+* `model_devices(model)`: the same for `model`'s steps.
+* `device_name(device)`: `"TPU:3"`, `"GPU:0"`, `"CPU:5"`.
+* `platform(device)`: `"TPU"`, `"GPU"` or `"CPU"`.
+* `device_kinds(device)`: what names the device's hardware (`"TPU v4"`, a GPU's
+  name), most trusted first; may be empty.
+* `reader_queries(device)`: the spellings `memory_stats` may take for it, in
+  the order to try them; `host_queries(devices)`: the same for the one entry
+  that stands for all host devices.
+* `memory_stats(device)`: `{"bytes_in_use", "peak_bytes_in_use"[, "bytes_limit"]}`,
+  or `None` where the allocator keeps no statistics.
+* `reset_peak(device)`: resets the peak counter; False where it cannot.
+* `ALLOCATOR_READER`: what reads an allocator, in words for notices;
+  `PEAK_RESETTABLE`: False where no allocator peak can be reset, None where
+  `reset_peak` says per device; `HOST_ALLOCATOR_SHARED`: whether all host
+  devices share one allocator; `HOST_RSS_WHY`, `HOST_RSS_FIX`, `UNREADABLE_WHY`:
+  the words of the monitors' notices.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tensorflow as tf
+
+ALLOCATOR_READER = "tf.config.experimental.get_memory_info"
+# Whether a device's peak resets is known once tried (TPU, GPU and CPU with oneDNN can).
+PEAK_RESETTABLE = None
+# Every logical CPU device and the input pipeline share the one host allocator.
+HOST_ALLOCATOR_SHARED = True
+HOST_RSS_WHY = ("The CPU allocator keeps no statistics here (oneDNN is off: TensorFlow's "
+                "default on CPUs without AVX-512, or TF_ENABLE_ONEDNN_OPTS=0)")
+HOST_RSS_FIX = "TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow starts gives allocator figures."
+UNREADABLE_WHY = "TensorFlow keeps no allocator statistics there"
+
+
+def replica_devices(where=None) -> list[str]:
+    """Full device names of a strategy's replicas, e.g. `/job:.../device:CPU:1`.
+
+    The default strategy has no replica list: its one replica runs where
+    TensorFlow places ops, the first GPU if there is one, else the CPU.
+    """
+    strategy = tf.distribute.get_strategy() if where is None else where
+    try:
+        names = list(strategy.extended.worker_devices)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        names = []
+    if not names:
+        gpus = tf.config.list_logical_devices("GPU")
+        names = [gpus[0].name] if gpus else ["/device:CPU:0"]
+    return names
+
+
+def model_devices(model) -> list[str]:
+    """The replica devices of the strategy `model` was built under."""
+    return replica_devices(model.distribute_strategy)
+
+
+def device_name(device: str) -> str:
+    return device.split("device:")[-1]
+
+
+def platform(device: str) -> str:
+    return device_name(device).split(":")[0].upper()
+
+
+def device_kinds(device: str) -> list[str]:
+    """A TPU's accelerator type and device kinds, or the first GPU's name."""
+    kind = platform(device)
+    if kind == "TPU":
+        accelerator = os.environ.get("TPU_ACCELERATOR_TYPE")
+        kinds = [accelerator] if accelerator else []
+        for lister in (tf.config.list_physical_devices, tf.config.list_logical_devices):
+            try:
+                found = lister("TPU")[:1]
+            except Exception:
+                found = []
+            for tpu in found:
+                try:
+                    kinds.append(tf.config.experimental.get_device_details(tpu).get("device_kind"))
+                except Exception:
+                    pass
+        return [k for k in kinds if k]
+    if kind == "GPU":
+        try:
+            gpu = tf.config.list_physical_devices("GPU")[0]
+            name = tf.config.experimental.get_device_details(gpu).get("device_name")
+        except Exception:
+            name = None
+        return [name] if name else []
+    return []
+
+
+def reader_queries(device: str) -> tuple[str, ...]:
+    """The full name first (where given), then the short one."""
+    short = device_name(device)
+    return (device, short) if device != short else (short,)
+
+
+def host_queries(devices) -> tuple[str, ...]:
+    return ("CPU:0",)  # the one host allocator, whichever logical CPUs the replicas use
+
+
+def memory_stats(device: str) -> dict | None:
+    try:
+        info = tf.config.experimental.get_memory_info(device)
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        return None
+    return {"bytes_in_use": int(info["current"]), "peak_bytes_in_use": int(info["peak"])}
+
+
+def reset_peak(device: str) -> bool:
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        return False
+    return True

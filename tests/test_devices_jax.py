@@ -1,0 +1,32 @@
+"""`keras_tpu_mem.devices` on the JAX backend: `jax.Device`s and their readers.
+
+The harness gives 8 host CPU devices, which keep no memory statistics
+(`jax.Device.memory_stats()` is None): their source is the host RSS.
+"""
+
+from __future__ import annotations
+
+import jax
+import monitoring_cases as cases
+from helpers_jax import make_distribution
+
+from keras_tpu_mem import devices
+
+
+def test_jax_readers_by_name():
+    (first,) = devices.replica_devices()
+    assert first == jax.local_devices()[0]
+    assert devices.device_name(first) == "CPU:0"
+    assert devices.memory_stats(first) is None  # JAX's CPU devices keep none
+    assert devices.read_memory(first) is None and devices.reset_peak(first) is False
+    assert devices.is_host_device(first) and devices.memory_source(first) == "host_rss"
+    mp = make_distribution("mp2x4")
+    assert [devices.device_name(d) for d in devices.replica_devices(mp)] == \
+        cases.mesh_names(mp)
+    reading = devices.read_memory_reading(first)
+    assert reading.source == "host_rss" and reading.process_wide and reading.current_bytes > 0
+    # The names these readers had before `keras_tpu_mem.devices` served both backends.
+    assert devices.monitored_jax_devices is devices.replica_devices
+    assert devices.jax_device_name is devices.device_name
+    assert devices.jax_memory_stats is devices.memory_stats
+    assert devices.jax_capacity is devices.capacity
