@@ -7,7 +7,6 @@ test_monitoring_throughput_jax.py; the device readers' in test_devices_jax.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -149,11 +148,11 @@ def test_a_remote_log_dir_is_written_through_fsspec_without_tensorflow(ktm_recor
     # fsspec's in-memory file system stands in for gs:// (gcsfs): the timeline, the summary
     # and the TensorBoard events reach it.
     fsspec = pytest.importorskip("fsspec")
-    x, y = _data(128)
-    model = _compile(_mlp())
+    x, y = cases.random_data(128)
+    model = cases.compile_model(cases.small_mlp())
     model.fit(x, y, batch_size=32, epochs=1, verbose=0,
               callbacks=[mon.HBMMonitor("memory://ktm-remote/logs")])
-    _no_crash(ktm_records)
+    cases.assert_no_crash(ktm_records)
     fs = fsspec.filesystem("memory")
     names = [p.rsplit("/", 1)[-1] for p in fs.ls("/ktm-remote/logs/ktm_memory", detail=False)]
     assert "timeline.jsonl" in names and "summary.json" in names
