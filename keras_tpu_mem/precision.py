@@ -313,7 +313,7 @@ def device_notice(strategy=None) -> str | None:
 
 
 def _jax_device_notice(distribution) -> str | None:
-    from keras_tpu_mem.engine.jax import data_parallel_devices
+    from keras_tpu_mem.backends.jax.trainer import data_parallel_devices
 
     devices = data_parallel_devices(distribution)
     kinds = {device.platform for device in devices}
@@ -512,7 +512,6 @@ class MixedBFloat16(EngineCallback):
 
     name = "compute_policy"
     order = 10
-    backends = ("tensorflow", "jax")
 
     def __init__(self, keep_float32=None, *, exact_output_gradients: bool = False,
                  keep_after_fit: bool = False):

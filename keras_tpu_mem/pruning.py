@@ -50,7 +50,6 @@ from keras import ops
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.engine import EngineCallback, update_variable
-from keras_tpu_mem.engine.core import backend_name
 from keras_tpu_mem.pruning_masks import (
     apply_mask,
     block_mask,
@@ -80,7 +79,7 @@ def _tensorflow():
 
 
 def _on_jax() -> bool:
-    return backend_name() == "jax"
+    return keras.backend.backend() == "jax"
 # Schedules whose pruning steps are exactly tfmot's `begin_step + j * frequency`
 # (within end_step): the step tests below are simplified with that. Not a
 # user's PruningSchedule subclass, whose `__call__` may decide otherwise.
@@ -354,7 +353,6 @@ class Pruning(EngineCallback):
 
     name = "pruning"
     order = 90
-    backends = ("tensorflow", "jax")
 
     def __init__(self, schedule, *, layers=None, block_size=(1, 1), block_pooling_type="AVG",
                  m_by_n=None, log_dir=None):

@@ -7,7 +7,8 @@ import os
 from collections.abc import Mapping
 
 from keras_tpu_mem import devices
-from keras_tpu_mem._utils import check_positive_int, logger, require_tensorflow_backend
+from keras_tpu_mem._utils import check_positive_int, logger
+from keras_tpu_mem.backends.require import require_tensorflow_backend
 
 # Environment variables that name a TPU. Colab's legacy TPU runtime exports
 # COLAB_TPU_ADDR (a grpc host:port); Cloud TPU nodes and most launch scripts

@@ -232,7 +232,6 @@ class FailsInStep(EngineCallback):
     """A loss term whose trace raises: a step that fails before it ever runs."""
 
     name = "fails_in_step"
-    backends = ("tensorflow", "jax")
 
     def transform_loss(self, loss, ctx):
         raise RuntimeError("injected step failure")
