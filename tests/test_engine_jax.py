@@ -23,7 +23,7 @@ from helpers_jax import (
 
 from keras_tpu_mem.accumulation import GradientAccumulation
 from keras_tpu_mem.backends.jax.trainer import Step, data_parallel_size
-from keras_tpu_mem.engine import Engine, EngineCallback, observe_first_batch
+from keras_tpu_mem.engine import Engine, EngineCallback, observe_first_batch, update_variable
 
 L2 = 0.1
 
@@ -130,6 +130,25 @@ def test_after_update_hook_assignments_become_the_new_state(distribution_name):
         kernel = reference.layers[0].kernel
         kernel.assign(kernel.numpy() * 0.5)
     assert max_abs_diff(hooked.get_weights(), reference.get_weights()) <= 1e-6
+
+
+class HalveWithUpdateVariable(EngineCallback):
+    """The same hook through `update_variable`, the engine's portable assignment."""
+
+    name = "halve"
+
+    def after_update(self, ctx):
+        update_variable(ctx.model.layers[0].kernel, lambda v: v.assign(v * 0.5))
+
+
+def test_update_variable_assigns_in_the_jax_step_as_a_direct_assign():
+    x, y = toy_data(64)
+    models = []
+    for hook in (HalveFirstKernel(), HalveWithUpdateVariable()):
+        model = _compiled(mlp(), steps_per_execution=2)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[hook])
+        models.append(model)
+    assert max_abs_diff(models[0].get_weights(), models[1].get_weights()) <= 1e-6
 
 
 class _Observe(keras.callbacks.Callback):
