@@ -290,10 +290,10 @@ def test_registered_error_explainers_are_asked_after_the_features():
     try:
         model = mlp()
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=sparse_ce())
-        with pytest.raises(Explained, match="clearer") as raised:
+        # (Keras' traceback filter re-raises `from None`: the cause is not kept.)
+        with pytest.raises(Explained, match="clearer"):
             model.fit(*toy_data(64), batch_size=32, epochs=1, verbose=0,
                       callbacks=[FailsInStep()])
-        assert "injected step failure" in str(raised.value.__cause__)
         assert seen == [(["fails_in_step"], 32, "injected step failure")]
         assert Engine.attach(model).features == []
     finally:
