@@ -79,7 +79,23 @@ def unscale_for_replicas(value):
 
 
 class Feature:
-    """Base class for everything that plugs into the engine. See the module docstring."""
+    """Base class for everything that plugs into the engine. See the module docstring.
+
+    Subclasses fill only the registration points they need; the defaults do
+    nothing. Feature callbacks subclass `EngineCallback` (a Keras callback and a
+    `Feature`), which registers them with the model's engine.
+
+    Example: a loss term on both backends
+
+    ```python
+    class KernelPenalty(EngineCallback):
+        name = "kernel_penalty"
+
+        def transform_loss(self, loss, ctx):
+            kernel = ctx.model.layers[0].kernel
+            return loss + scale_for_replicas(0.1 * keras.ops.sum(keras.ops.square(kernel)))
+    ```
+    """
 
     #: Unique key of the feature kind; registering a second one replaces the first.
     name: str = "feature"
