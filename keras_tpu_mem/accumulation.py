@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int, logger
 from keras_tpu_mem.engine import EngineCallback
@@ -122,7 +123,6 @@ class GradientAccumulation(EngineCallback):
 
     name = "micro_batching"
     order = 0
-    backends = ("tensorflow", "jax")
 
     def __init__(self, steps: int | None = None, *, micro_batch_size: int | None = None,
                  dataset_yields: str = "global_batches"):
@@ -250,42 +250,25 @@ class GradientAccumulation(EngineCallback):
                                                            divisor))
             return self.steps if size is None else per_replica_batch // size
         # The batch size is only known at run time (e.g. `fit(x, y, batch_size=...)`
-        # on arrays, whose last batch is smaller): check it there. Only the
-        # TensorFlow engine gets here: on JAX every shape is static.
-        import tensorflow as tf
-
-        check = tf.debugging.assert_equal(
-            per_replica_batch % divisor, 0,
-            message=self._indivisible_message(what, None, replicas, divisor,
-                                              where="its size is shown below"),
-        )
+        # on arrays, whose last batch is smaller): the backend checks it there.
         count = self.steps if size is None else per_replica_batch // size
-        with tf.control_dependencies([check]):  # check before the batch is split
-            return tf.identity(count)
+        return backends.current("GradientAccumulation").accumulation.checked_count(
+            per_replica_batch, divisor, count,
+            self._indivisible_message(what, None, replicas, divisor,
+                                      where="its size is shown below"))
 
     def explain_error(self, error):
-        # Under XLA the run-time check above is dropped: a batch of unknown size
-        # (arrays, whose last batch is smaller) that does not split fails in
-        # XLA's compilation of the split itself, with a bare reshape error.
-        # (On JAX shapes are static: `micro_batches` raises its own error.)
-        if keras.backend.backend() != "tensorflow":
-            return None
-        import tensorflow as tf
+        # Under XLA a batch of unknown size that does not split fails in the
+        # compilation of the split itself, with a bare reshape error.
+        def message():
+            what, divisor = self._requirement()
+            return self._indivisible_message(
+                what, None, self._replicas(), divisor,
+                where="likely the ragged last batch of arrays; XLA's error below gives its "
+                      "number of values")
 
-        from keras_tpu_mem.engine import MICRO_BATCH_SPLIT
-
-        if not isinstance(error, tf.errors.InvalidArgumentError):
-            return None
-        if MICRO_BATCH_SPLIT not in str(error):
-            return None
-        what, divisor = self._requirement()
-        replicas = self._replicas()
-        message = self._indivisible_message(
-            what, None, replicas, divisor,
-            where="likely the ragged last batch of arrays; XLA's error below gives its "
-                  "number of values")
-        return tf.errors.InvalidArgumentError(
-            error.node_def, error.op, f"{message}\n\nXLA's error: {error.message}")
+        return backends.current("GradientAccumulation").accumulation.explain_split_error(
+            error, message)
 
     @staticmethod
     def _indivisible_message(what, batch, replicas, divisor, *, where=""):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem.engine import EngineCallback
 
@@ -44,7 +45,6 @@ class Rematerialize(EngineCallback):
 
     name = "rematerialize"
     order = 20
-    backends = ("tensorflow", "jax")
 
     def __init__(self, layers=None, *, mode: str = "layers"):
         super().__init__()
@@ -85,12 +85,8 @@ class Rematerialize(EngineCallback):
 
     def install(self, model):
         self.uninstall(model)
-        if self.mode == "layers" and keras.backend.backend() == "tensorflow":
-            raise ValueError(
-                "Rematerialize(mode='layers') does not work on the TensorFlow backend: "
-                "recomputing a layer that reads variables crashes in fit "
-                "(keras-team/keras#21207). Use mode='activations' there, or the JAX "
-                "backend.")
+        if self.mode == "layers":
+            backends.current("Rematerialize").remat.check_layer_remat()
         for layer in self._chosen(model):
             if self.mode == "activations":
                 activation = getattr(layer, "activation", None)

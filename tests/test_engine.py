@@ -7,7 +7,13 @@ import tensorflow as tf
 from helpers import batched, max_abs_diff, mlp, sparse_ce, toy_data
 
 from keras_tpu_mem import GradientAccumulation
-from keras_tpu_mem.engine import Engine, EngineCallback, scale_for_replicas, update_variable
+from keras_tpu_mem.engine import (
+    Engine,
+    EngineCallback,
+    register_error_explainer,
+    scale_for_replicas,
+    update_variable,
+)
 
 
 class HalfLoss(EngineCallback):
@@ -232,7 +238,6 @@ class FailsInStep(EngineCallback):
     """A loss term whose trace raises: a step that fails before it ever runs."""
 
     name = "fails_in_step"
-    backends = ("tensorflow", "jax")
 
     def transform_loss(self, loss, ctx):
         raise RuntimeError("injected step failure")
@@ -264,3 +269,34 @@ def test_a_failed_step_ends_the_fit_and_takes_its_features_off():
         m.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
     assert max_abs_diff(model.get_weights(), twin.get_weights()) <= 1e-6
     assert int(model.optimizer.iterations.numpy()) == 4
+
+
+def test_registered_error_explainers_are_asked_after_the_features():
+    """`register_error_explainer`: asked with the failed fit's features (already taken
+    off) and its first global batch, after the features' own `explain_error`."""
+    from keras_tpu_mem.engine import core
+
+    seen = []
+
+    class Explained(RuntimeError):
+        pass
+
+    def explain(model, features, global_batch_size, error):
+        seen.append(([f.name for f in features], global_batch_size, str(error)))
+        return Explained("clearer") if "injected" in str(error) else None
+
+    register_error_explainer(explain)
+    register_error_explainer(explain)  # twice: asked once
+    try:
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=sparse_ce())
+        # (Keras' traceback filter re-raises `from None`: the cause is not kept.)
+        with pytest.raises(Explained, match="clearer"):
+            model.fit(*toy_data(64), batch_size=32, epochs=1, verbose=0,
+                      callbacks=[FailsInStep()])
+        assert seen == [(["fails_in_step"], 32, "injected step failure")]
+        assert Engine.attach(model).features == []
+    finally:
+        core._ERROR_EXPLAINERS.remove(explain)
+    with pytest.raises(TypeError, match="callable"):
+        register_error_explainer("not a function")

@@ -1,5 +1,6 @@
-"""The JAX engine (`keras_tpu_mem.engine.jax`): registration, loss terms, the
-multi-step loop, first-batch observation, random state under shard_map."""
+"""The engine on JAX (`keras_tpu_mem.engine`, its step from `backends/jax/trainer.py`):
+registration, loss terms, the multi-step loop, first-batch observation, random
+state under shard_map."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from helpers_jax import (
 )
 
 from keras_tpu_mem.accumulation import GradientAccumulation
-from keras_tpu_mem.engine import Engine, EngineCallback, observe_first_batch
-from keras_tpu_mem.engine.jax import JaxStep, data_parallel_size
+from keras_tpu_mem.backends.jax.trainer import Step, data_parallel_size
+from keras_tpu_mem.engine import Engine, EngineCallback, observe_first_batch, update_variable
 
 L2 = 0.1
 
@@ -31,20 +32,20 @@ class KernelPenalty(EngineCallback):
     """A loss term through `transform_loss`: L2 * sum(kernel**2) of the first layer."""
 
     name = "kernel_penalty"
-    backends = ("tensorflow", "jax")
 
     def transform_loss(self, loss, ctx):
         kernel = ctx.model.layers[0].kernel
         return loss + L2 * keras.ops.sum(keras.ops.square(kernel))
 
 
-class TensorFlowOnly(EngineCallback):
-    name = "tf_only"
+class NoHooks(EngineCallback):
+    """A feature that declares nothing: every feature runs on both backends."""
+
+    name = "no_hooks"
 
 
 class AfterUpdate(EngineCallback):
     name = "after"
-    backends = ("tensorflow", "jax")
 
     def after_update(self, ctx):
         pass
@@ -62,7 +63,7 @@ def test_engine_builds_the_jax_step_and_counts_data_parallel_shards(case):
     with scope(distribution):
         model = _compiled(mlp())
         step = Engine.attach(model).backend_step
-        assert isinstance(step, JaxStep)
+        assert isinstance(step, Step)
         assert step.num_replicas() == {"none": 1, "dp8": 8, "mp2x4": 2}[case]
         assert data_parallel_size() == step.num_replicas()
         assert step.distribution_key() is distribution
@@ -87,18 +88,20 @@ def test_loss_term_equals_the_same_term_as_a_keras_regularizer(case, accumulate)
     assert np.isfinite(history.history["loss"][0])
 
 
-def test_feature_without_jax_support_is_refused():
+def test_every_feature_runs_on_jax():
+    # Features no longer name their backends: one that declares nothing joins
+    # the JAX step like any other (the step is the engine's, not Keras' own).
     model = _compiled(mlp())
-    with pytest.raises(RuntimeError, match="works on the Keras tensorflow backend"):
-        model.fit(*toy_data(32), batch_size=32, epochs=1, verbose=0,
-                  callbacks=[TensorFlowOnly()])
+    history = model.fit(*toy_data(32), batch_size=32, epochs=1, verbose=0,
+                        callbacks=[NoHooks()])
+    assert np.isfinite(history.history["loss"][0])
+    assert Engine.attach(model).num_builds == 1
 
 
 class HalveFirstKernel(EngineCallback):
     """An after-update hook that assigns: functional on JAX (a StatelessScope in the step)."""
 
     name = "halve"
-    backends = ("tensorflow", "jax")
 
     def after_update(self, ctx):
         kernel = ctx.model.layers[0].kernel
@@ -127,6 +130,25 @@ def test_after_update_hook_assignments_become_the_new_state(distribution_name):
         kernel = reference.layers[0].kernel
         kernel.assign(kernel.numpy() * 0.5)
     assert max_abs_diff(hooked.get_weights(), reference.get_weights()) <= 1e-6
+
+
+class HalveWithUpdateVariable(EngineCallback):
+    """The same hook through `update_variable`, the engine's portable assignment."""
+
+    name = "halve"
+
+    def after_update(self, ctx):
+        update_variable(ctx.model.layers[0].kernel, lambda v: v.assign(v * 0.5))
+
+
+def test_update_variable_assigns_in_the_jax_step_as_a_direct_assign():
+    x, y = toy_data(64)
+    models = []
+    for hook in (HalveFirstKernel(), HalveWithUpdateVariable()):
+        model = _compiled(mlp(), steps_per_execution=2)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[hook])
+        models.append(model)
+    assert max_abs_diff(models[0].get_weights(), models[1].get_weights()) <= 1e-6
 
 
 class _Observe(keras.callbacks.Callback):
@@ -267,7 +289,6 @@ class ReadsModelWhileTraced(EngineCallback):
     syncs the training state into the variables) inside the traced step."""
 
     name = "reads_model"
-    backends = ("tensorflow", "jax")
 
     def transform_loss(self, loss, ctx):
         assert self.model is ctx.model
@@ -314,7 +335,6 @@ class FailsInStep(EngineCallback):
     """A loss term whose trace raises: a step that fails before it ever runs."""
 
     name = "fails_in_step"
-    backends = ("tensorflow", "jax")
 
     def transform_loss(self, loss, ctx):
         raise RuntimeError("injected step failure")

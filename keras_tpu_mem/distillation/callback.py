@@ -150,7 +150,6 @@ class Distillation(EngineCallback):
 
     name = "distillation"
     order = 50
-    backends = ("tensorflow", "jax")
 
     def __init__(self, teacher=None, *, temperature: float | Callable = 2.0,
                  alpha: float | Callable = 0.5, top_k: int | None = None):

@@ -1,213 +1,66 @@
-"""The backend-neutral half of the engine: features, registration, lifetime.
+"""The engine's lifetime: one owner of `model.train_function` per model.
 
-Keras builds `model.train_function` from `model.train_step`. The engine
-replaces that function, for the duration of a `fit` whose callbacks include
-our features, with one that runs *our* step. Features never patch the training
-loop themselves; they register with the engine and fill one or more of these
-registration points (all optional, all methods of `Feature`):
-
-* **`install(model)` / `uninstall(model)`** – Python-side set-up before the step
-  is traced and tear-down after training (e.g. switch layer dtype policies,
-  create Keras variables). Called once per `fit`. The compute policy (which
-  layers compute in bfloat16) is set here, because the step is traced after it.
-* **`split_extras(data) -> (data, extras)`** – take extra per-example tensors
-  (e.g. cached teacher logits) out of the batch before Keras unpacks
-  `(x, y, sample_weight)`. `extras` is a dict of tensors with the batch as
-  first axis; it is sliced into micro-batches together with the batch.
-* **`micro_batches(per_replica_batch) -> int | None`** – micro-batching
-  (gradient accumulation). At most one feature may return a count: features
-  say *how many*, each backend's engine says *how* (a `tf.while_loop` on
-  TensorFlow, a `lax.scan` on JAX), sums the gradients locally and applies
-  them **once**.
-* **`batches_per_update() -> int | None`** – Keras' accumulation convention:
-  the dataset yields micro-batches and this many of them make one update.
-  The engine pulls them one at a time from the iterator, sums their
-  gradients in local accumulators and applies once, with no conditional in
-  the step (which call applies is known before it runs). Keras' step counting
-  (progress bar, `steps_per_epoch`, callbacks' batch indices,
-  `steps_per_execution`) stays in micro-batches; `optimizer.iterations` and
-  learning-rate schedules count updates.
-* **`transform_loss(loss, ctx) -> loss`** – extra loss terms (distillation).
-  `loss` is the compiled loss already scaled for the number of replicas, as
-  Keras scales it; anything added must be scaled the same way
-  (`scale_for_replicas`). `ctx` is a `StepContext`.
-* **`after_update(ctx)`** – runs inside the compiled step right after the
-  optimizer update, on every replica (pruning masks). Written with Keras
-  variables (`variable.value`, `variable.assign`) and `keras.ops`: on
-  TensorFlow it writes the variables; on JAX the engine runs it inside a
-  `keras.StatelessScope` that maps the model's, the optimizer's and the
-  features' variables to their post-update values and takes its assignments
-  as the step's new values (values in, values out: the jitted step stays pure).
-  `optimizer.iterations` reads the count after the update; branch with
-  `keras.ops.cond`, and assign outside the branches.
-* **`step_variables()` / `frozen_variables()`** – Keras variables a feature
-  owns outside the model that the step reads (both) and writes (the first:
-  pruning masks, a temperature). On TensorFlow they are ordinary variables; on
-  JAX the engine passes their values into the jitted step beside Keras' state
-  (carried ones keep the sharding their value has, e.g. a mask its kernel's,
-  and are written back after every step, so `steps_per_execution > 1` holds)
-  and frozen ones (a teacher's weights) as inputs that are never returned.
-* **`explain_error(error) -> Exception | None`** – when the step fails, each
-  feature may return a clearer exception to raise instead (chained to the
-  original).
-
-Composition is independent of the order of the callbacks list: features are
-sorted by their `order` attribute (then name) before the step is built, and a
-feature `name` can be registered only once (a second one replaces the first).
+The features (`engine/feature.py`) say what the step does; the running
+backend's trainer builds it; this module decides when, for which features,
+and what happens when the step fails.
 
 **Lifetime.** A feature callback registers in `set_model`, which Keras calls
 when `fit` builds its `CallbackList`, before it calls
 `model.make_train_function()`. The engine overrides `make_train_function` on
 the model instance: each call starts a new `fit`, takes the features
-registered since the previous call, and builds the step with the backend's
-engine (`engine/tensorflow.py`, `engine/jax.py`). A later `fit` without our
+registered since the previous call, and builds the step with the running backend's
+trainer (`backends.current().trainer.Step`: `backends/tensorflow/trainer.py`,
+`backends/jax/trainer.py`). A later `fit` without our
 callbacks gets Keras' own step back.
 
 **One owner of `model.train_function`.** Nothing else in the package writes
 it. Callbacks that need to see the data `fit` iterates (`ThroughputMonitor`
 reads the global batch size) ask the engine with `observe_first_batch`.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import keras
 
-from keras_tpu_mem import _compat
+from keras_tpu_mem import _compat, backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.engine.feature import Feature, overrides
 
 _ = _compat  # the package docstring says where internals live
 
-#: Backends with an engine.
-SUPPORTED_BACKENDS = ("tensorflow", "jax")
+#: Called in turn after the features' own `explain_error` found nothing (see
+#: `register_error_explainer`).
+_ERROR_EXPLAINERS: list[Callable] = []
 
 
-def backend_name() -> str:
-    return keras.backend.backend()
+def register_error_explainer(fn: Callable) -> None:
+    """Adds `fn(model, features, global_batch_size, error) -> Exception | None`, asked
+    for a clearer exception when a fit's step fails and no feature explained it.
 
+    `features` are those of the failed fit, already taken off the model (an
+    explainer may compile the step again with them); `global_batch_size` is
+    the first step's global batch, or None where it was not static. The first
+    explainer that returns an exception wins; registering the same function
+    twice adds it once. The planner registers its out-of-memory explanation
+    here, so the engine never imports the planner.
 
-def require_engine_backend(what: str) -> str:
-    """Returns the backend's name, or raises naming the backends that have an engine."""
-    backend = backend_name()
-    if backend not in SUPPORTED_BACKENDS:
-        raise RuntimeError(
-            f"{what} needs the Keras TensorFlow or JAX backend, but Keras is running on "
-            f"{backend!r}. Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before "
-            "importing keras."
-        )
-    return backend
+    Example:
 
+    ```python
+    def explain(model, features, global_batch_size, error):
+        if "RESOURCE_EXHAUSTED" in str(error):
+            return MemoryError(f"batch {global_batch_size} does not fit")
+        return None
 
-def scale_for_replicas(value):
-    """Scales a mean-reduced loss term for the replicas, exactly as Keras does.
-
-    Keras divides every mean-reduced loss by the number of replicas so that the
-    cross-replica *sum* of gradients is the gradient of the global mean. A term
-    added to the loss must be divided the same way. (On JAX the step is one
-    SPMD program over the global batch: no replica scaling, identity.)
+    register_error_explainer(explain)
+    ```
     """
-    return keras_compat.scale_loss_for_distribution(value)
-
-
-def unscale_for_replicas(value):
-    """Inverse of `scale_for_replicas` (for logging a loss per replica)."""
-    return keras_compat.unscale_loss_for_distribution(value)
-
-
-class StepContext:
-    """What a feature sees inside the compiled step (one replica, one micro-batch).
-
-    Attributes:
-        model: The model being trained.
-        x, y, sample_weight: The (micro-)batch as Keras unpacked it.
-        y_pred: The model output for `x` (inside the gradient computation).
-        extras: Dict of extra per-example tensors from `split_extras`.
-        num_micro_batches: How many micro-batches make this update (1 without
-            accumulation).
-    """
-
-    def __init__(self, model, x=None, y=None, sample_weight=None, y_pred=None,
-                 extras=None, num_micro_batches=1):
-        self.model = model
-        self.x = x
-        self.y = y
-        self.sample_weight = sample_weight
-        self.y_pred = y_pred
-        self.extras = extras or {}
-        self.num_micro_batches = num_micro_batches
-
-
-class Feature:
-    """Base class for everything that plugs into the engine. See the module docstring."""
-
-    #: Unique key of the feature kind; registering a second one replaces the first.
-    name: str = "feature"
-    #: Position in the step, lower first (policy 10, loss terms 50, after-update 90).
-    order: int = 50
-    #: Backends whose engine runs this feature's hooks.
-    backends: tuple[str, ...] = ("tensorflow",)
-
-    def install(self, model) -> None:
-        """Python-side set-up, before the step is traced."""
-
-    def uninstall(self, model) -> None:
-        """Undo `install` after training."""
-
-    def split_extras(self, data):
-        """Returns `(data, extras)`; extras is a dict of per-example tensors."""
-        return data, {}
-
-    def micro_batches(self, per_replica_batch: int | None) -> int | None:
-        """Micro-batch count for a per-replica batch, or None for no micro-batching."""
-        return None
-
-    def batches_per_update(self) -> int | None:
-        """Dataset batches (micro-batches) per optimizer update, or None."""
-        return None
-
-    def transform_loss(self, loss, ctx: StepContext):
-        """Returns the loss to differentiate; `loss` is replica-scaled."""
-        return loss
-
-    def after_update(self, ctx: StepContext) -> None:
-        """Runs inside the step after the optimizer update."""
-
-    def step_variables(self) -> list:
-        """Keras variables (outside the model) the step reads and writes."""
-        return []
-
-    def frozen_variables(self) -> list:
-        """Keras variables (outside the model) the step only reads."""
-        return []
-
-    def explain_error(self, error: Exception) -> Exception | None:
-        """A clearer exception for an error of the step, or None."""
-        return None
-
-
-def overrides(model, method: str) -> bool:
-    """Whether the model's class overrides a method of Keras' backend trainer."""
-    base = keras_compat.backend_trainer_class()
-    return getattr(type(model), method) is not getattr(base, method)
-
-
-def check_pulled_micro_batches(model, k: int) -> None:
-    """The settings `GradientAccumulation(k, dataset_yields="micro_batches")` needs,
-    checked alike by both engines: a built model, and a `steps_per_execution`
-    (counted in micro-batches, Keras' unit) that divides or is a multiple of k."""
-    spe = int(model.steps_per_execution)
-    if spe % k and k % spe:
-        raise ValueError(
-            f"GradientAccumulation(steps={k}, dataset_yields='micro_batches') with "
-            f"steps_per_execution={spe}: one must divide the other (steps_per_execution "
-            "counts micro-batches here, Keras' unit), e.g. steps_per_execution="
-            f"{k} or {2 * k}.")
-    if not model.built or not model.trainable_weights:
-        raise ValueError(
-            "GradientAccumulation(dataset_yields='micro_batches') needs a built model: "
-            "build it (an `Input` layer, or call it once on a batch) before `fit`.")
+    if not callable(fn):
+        raise TypeError(f"`fn` must be callable, got {type(fn).__name__}.")
+    if fn not in _ERROR_EXPLAINERS:
+        _ERROR_EXPLAINERS.append(fn)
 
 
 def check_float16_replicas(model, replicas: int) -> None:
@@ -273,7 +126,8 @@ class Engine:
 
     def __init__(self, model):
         self.model = model
-        self.backend = require_engine_backend("keras_tpu_mem's training engine")
+        #: The running backend's adapter; its trainer builds the step.
+        self.backend = backends.current("keras_tpu_mem's training engine")
         self._pending: dict[str, Feature] = {}
         self.features: list[Feature] = []
         self._installed = False
@@ -286,11 +140,7 @@ class Engine:
         #: Global batch of the first step of the current fit with features (for
         #: the OOM explanation; None where it is not static).
         self.last_global_batch_size: int | None = None
-        if self.backend == "tensorflow":
-            from keras_tpu_mem.engine.tensorflow import TensorFlowStep as step_class
-        else:
-            from keras_tpu_mem.engine.jax import JaxStep as step_class
-        self.backend_step = step_class(self)
+        self.backend_step = self.backend.trainer.Step(self)
 
     # ------------------------------------------------------------ attachment
     @classmethod
@@ -313,12 +163,6 @@ class Engine:
         """Adds a feature to the next `fit` of this model."""
         if not isinstance(feature, Feature):
             raise TypeError(f"Expected a keras_tpu_mem Feature, got {type(feature).__name__}.")
-        if self.backend not in feature.backends:
-            raise RuntimeError(
-                f"{type(feature).__name__} works on the Keras "
-                f"{' and '.join(feature.backends)} backend(s); Keras is running on "
-                f"{self.backend!r}."
-            )
         if overrides(self.model, "train_step"):
             raise TypeError(
                 f"{type(self.model).__name__} overrides `train_step`, so keras_tpu_mem "
@@ -421,8 +265,7 @@ class Engine:
     # -------------------------------------------------------------- checks
     def _check_compatible(self) -> None:
         counts = [f for f in self.features
-                  if type(f).micro_batches is not Feature.micro_batches
-                  or type(f).batches_per_update is not Feature.batches_per_update]
+                  if self.has_hook(f, "micro_batches") or self.has_hook(f, "batches_per_update")]
         if len(counts) > 1:
             names = ", ".join(type(f).__name__ for f in counts)
             raise ValueError(f"Only one micro-batching feature per fit, got: {names}.")
@@ -431,7 +274,7 @@ class Engine:
             raise NotImplementedError(
                 "Micro-batches pulled from the dataset (GradientAccumulation("
                 "dataset_yields='micro_batches')) are not supported by the "
-                f"{self.backend} engine yet; use dataset_yields='global_batches'."
+                f"{self.backend.label} engine yet; use dataset_yields='global_batches'."
             )
         check_float16_replicas(self.model, self.backend_step.num_replicas())
 
@@ -442,6 +285,11 @@ class Engine:
             if count is not None:
                 return count
         return 1
+
+    @staticmethod
+    def has_hook(feature, method: str) -> bool:
+        """Whether `feature` fills the registration point `method` (e.g. "after_update")."""
+        return getattr(type(feature), method) is not getattr(Feature, method)
 
     def batches_per_update(self) -> int:
         """Dataset batches per update (1 unless a feature pulls micro-batches)."""
@@ -472,7 +320,13 @@ class Engine:
             clearer = feature.explain_error(error)
             if clearer is not None:
                 return clearer
-        return self._explain_out_of_memory(error, features)
+        if not features:
+            return None
+        for explainer in list(_ERROR_EXPLAINERS):
+            clearer = explainer(self.model, features, self.last_global_batch_size, error)
+            if clearer is not None:
+                return clearer
+        return None
 
     def end_failed_fit(self) -> None:
         """Takes off the features of a fit that an error ended (see `explain`).
@@ -486,17 +340,6 @@ class Engine:
             except Exception as err:  # the step's own error is the one to raise
                 logger.debug("uninstalling %s after a failed fit: %s", feature.name, err)
         self.features = []
-
-    def _explain_out_of_memory(self, error: Exception, features) -> Exception | None:
-        """For RESOURCE_EXHAUSTED: the compiled breakdown and the smallest change that
-        fits (`planning.oom`), else None. `features`: those of the failed fit, already
-        taken off the model (the explanation compiles the step again with them)."""
-        from keras_tpu_mem.planning import oom
-
-        if not features or not oom.is_resource_exhausted(error):
-            return None
-        return oom.explain_out_of_memory(self.model, features, self.last_global_batch_size,
-                                         error)
 
     def steps_for_this_call(self) -> int | None:
         """Steps the next call runs; None when the epoch's length is unknown."""
@@ -575,81 +418,3 @@ class EngineCallback(keras.callbacks.Callback, Feature):
 
     def on_predict_begin(self, logs=None):
         Engine.attach(self.model).discard_pending(self)
-
-
-# ---------------------------------------------------------------------------
-# Compiling the step without a fit (planning; issue 16). Kept apart from the
-# fit lifetime above: it installs features for one trace and takes them off.
-# ---------------------------------------------------------------------------
-import contextlib  # noqa: E402  (kept with the code it serves)
-
-
-@contextlib.contextmanager
-def compile_context(model, features):
-    """Installs `features` on `model` as a `fit` would, for tracing the step, then undoes it.
-
-    Yields the model's backend step (`TensorFlowStep` / `JaxStep`), whose
-    per-replica step then traces exactly what `fit` would install for these
-    features. Nothing runs. On exit every feature is uninstalled, every
-    layer's dtype policy is put back (even for features that keep theirs after
-    a `fit`), each callback's `model` is what it was, and the engine holds the
-    features it held before (none outside a `fit`).
-
-    Args:
-        model: A compiled `keras.Model`.
-        features: `Feature` objects (feature callbacks), in any order.
-
-    Example:
-
-    ```python
-    with compile_context(model, [ktm.GradientAccumulation(8)]) as step:
-        traced = tf.function(step._replica_step, jit_compile=True)
-    ```
-    """
-    engine = Engine.attach(model)
-    features = list(features)
-    for feature in features:
-        if not isinstance(feature, Feature):
-            raise TypeError(f"Expected keras_tpu_mem Features, got {type(feature).__name__}.")
-        if engine.backend not in feature.backends:
-            raise RuntimeError(
-                f"{type(feature).__name__} works on the Keras "
-                f"{' and '.join(feature.backends)} backend(s); Keras is running on "
-                f"{engine.backend!r}.")
-    if features and overrides(model, "train_step"):
-        raise TypeError(
-            f"{type(model).__name__} overrides `train_step`, so keras_tpu_mem cannot "
-            "install its step; there is no engine step to compile for these features.")
-    if engine._installed and engine.features:
-        raise RuntimeError("The model is inside a fit with keras_tpu_mem features; "
-                           "compile its step before or after the fit.")
-    features = sorted({f.name: f for f in features}.values(), key=lambda f: (f.order, f.name))
-    layers = keras_compat.flatten_layers(model, include_self=True)
-    policies = [(layer, layer.dtype_policy) for layer in layers]
-    # Keras callbacks keep their model in `_model`; set it without `set_model`,
-    # which would register the feature for the model's next fit.
-    models = [(f, f.__dict__.get("_model", None)) for f in features
-              if isinstance(f, keras.callbacks.Callback)]
-    held = engine.features
-    installed = []
-    try:
-        for feature in features:
-            if isinstance(feature, keras.callbacks.Callback):
-                keras.callbacks.Callback.set_model(feature, model)
-        engine.features = features
-        for feature in features:
-            feature.install(model)
-            installed.append(feature)
-        engine._check_compatible()
-        yield engine.backend_step
-    finally:
-        try:
-            for feature in reversed(installed):
-                feature.uninstall(model)
-        finally:
-            for layer, policy in policies:
-                if layer.dtype_policy is not policy:
-                    layer.dtype_policy = policy
-            for feature, previous in models:
-                feature._model = previous
-            engine.features = held

@@ -6,8 +6,8 @@ import dataclasses
 import sys
 import time
 
-from keras_tpu_mem._utils import flatten_structure as _flatten
-from keras_tpu_mem._utils import leading_dim as _leading_dim
+from keras_tpu_mem.backends.structure import flatten_structure as _flatten
+from keras_tpu_mem.backends.structure import leading_dim as _leading_dim
 from keras_tpu_mem.monitoring._base import _check_int
 
 

@@ -35,7 +35,8 @@ import re
 import weakref
 
 from keras_tpu_mem import devices
-from keras_tpu_mem._utils import check_positive_int, logger, require_tensorflow_backend
+from keras_tpu_mem._utils import check_positive_int, logger
+from keras_tpu_mem.backends.require import require_tensorflow_backend
 from keras_tpu_mem.planning.specs import (
     _check_model,
     _spec_bytes,
@@ -264,7 +265,7 @@ def _compile_step(model, xs, ys, features=(), hlo_text=False):
     import keras
     import tensorflow as tf
 
-    from keras_tpu_mem.engine.core import compile_context
+    from keras_tpu_mem.engine.compile import compile_context
 
     # experimental_get_compiler_ir takes flat TensorSpecs only: pass the
     # leaves and rebuild (x, y) inside.
@@ -376,7 +377,7 @@ class _Compiler:
     def __call__(self, batch_size: int, features=(), hlo_text: bool = False) -> CompiledMemory:
         import tensorflow as tf
 
-        from keras_tpu_mem.engine.core import Feature
+        from keras_tpu_mem.engine.feature import Feature
 
         if tf.distribute.has_strategy():
             raise RuntimeError(
@@ -444,7 +445,7 @@ def _sorted(features):
 
 def _micro_batches(model, features, per_replica_batch: int) -> int:
     """The micro-batch count the engine's step uses for these features (1: none)."""
-    from keras_tpu_mem.engine.core import compile_context
+    from keras_tpu_mem.engine.compile import compile_context
 
     if not features:
         return 1
@@ -467,7 +468,7 @@ def check_callbacks(callbacks, what: str) -> tuple:
     """
     import keras
 
-    from keras_tpu_mem.engine.core import Feature
+    from keras_tpu_mem.engine.feature import Feature
 
     if callbacks is None:
         return ()

@@ -79,7 +79,7 @@ def _batch_structs(distribution, xs, ys):
 
 
 def data_parallel_size() -> int:
-    from keras_tpu_mem.engine.jax import data_parallel_size as size
+    from keras_tpu_mem.backends.jax.trainer import data_parallel_size as size
 
     return size()
 
@@ -98,7 +98,7 @@ def compile_jax_step(model, xs, ys, features=()):
     """Lowers and compiles the step for the batch specs; returns the `jax.stages.Compiled`."""
     import jax
 
-    from keras_tpu_mem.engine.core import compile_context
+    from keras_tpu_mem.engine.compile import compile_context
 
     distribution = _distribution()
     state = _state_structs(model, distribution)
@@ -233,7 +233,7 @@ def _module_name(compiled) -> str:
 
 
 def _refuse_pulled(features, what):
-    from keras_tpu_mem.engine.core import Feature
+    from keras_tpu_mem.engine.feature import Feature
 
     for feature in features:
         if (type(feature).batches_per_update is not Feature.batches_per_update

@@ -26,6 +26,7 @@ import re
 
 from keras_tpu_mem import devices
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.engine.core import register_error_explainer
 
 _DEVICE = None
 _USED_OF = re.compile(r"Used\s+([\d.]+)([KMGT])?\s+of\s+([\d.]+)([KMGT])?\s+hbm", re.IGNORECASE)
@@ -94,7 +95,7 @@ def _capacity(error, replicas):
     import keras
 
     if keras.backend.backend() == "jax":
-        from keras_tpu_mem.engine.jax import data_parallel_devices
+        from keras_tpu_mem.backends.jax.trainer import data_parallel_devices
 
         capacity, source = devices.jax_capacity(data_parallel_devices()[0])
         if capacity:
@@ -106,7 +107,7 @@ def _replicas(model) -> int:
     import keras
 
     if keras.backend.backend() == "jax":
-        from keras_tpu_mem.engine.jax import data_parallel_size
+        from keras_tpu_mem.backends.jax.trainer import data_parallel_size
 
         return data_parallel_size()
     return int(model.distribute_strategy.num_replicas_in_sync)
@@ -196,3 +197,10 @@ def _callbacks_repr(rec, features) -> str:
     if rec.rematerialize:
         levers.append("Rematerialize()")
     return "[" + ", ".join([*kept, *levers]) + "]"
+
+
+# The engine asks its registered explainers after the features' own: only
+# RESOURCE_EXHAUSTED is ours.
+register_error_explainer(
+    lambda model, features, size, error: explain_out_of_memory(model, features, size, error)
+    if is_resource_exhausted(error) else None)

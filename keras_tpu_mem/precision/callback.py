@@ -112,7 +112,6 @@ class MixedBFloat16(EngineCallback):
 
     name = "compute_policy"
     order = 10
-    backends = ("tensorflow", "jax")
 
     def __init__(self, keep_float32=None, *, exact_output_gradients: bool = False,
                  keep_after_fit: bool = False):

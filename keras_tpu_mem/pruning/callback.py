@@ -160,7 +160,6 @@ class Pruning(EngineCallback):
 
     name = "pruning"
     order = 90
-    backends = ("tensorflow", "jax")
 
     def __init__(self, schedule, *, layers=None, block_size=(1, 1), block_pooling_type="AVG",
                  m_by_n=None, log_dir=None):

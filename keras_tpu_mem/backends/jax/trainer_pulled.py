@@ -12,7 +12,7 @@ step's one `psum` is the only gradient reduction. The accumulators are JAX
 arrays held by the train function (transient: zero at every window's end, and
 windows never span epochs), never Keras variables.
 
-`PulledMicroBatchSteps` is a mixin of `engine.jax.JaxStep`, whose loss, metric
+`PulledMicroBatchSteps` is a mixin of `backends.jax.trainer.Step`, whose loss, metric
 and feature helpers it uses.
 """
 
@@ -27,13 +27,15 @@ import keras
 from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem.engine.core import StepContext, check_pulled_micro_batches
-from keras_tpu_mem.engine.jax_shared import PerDeviceState as _PerDeviceState
-from keras_tpu_mem.engine.jax_shared import multi_step_train_function as _multi_step_train_function
+from keras_tpu_mem.backends.jax.trainer_shared import PerDeviceState as _PerDeviceState
+from keras_tpu_mem.backends.jax.trainer_shared import (
+    multi_step_train_function as _multi_step_train_function,
+)
+from keras_tpu_mem.backends.step import StepContext, check_pulled_micro_batches
 
 
 class PulledMicroBatchSteps:
-    """The pulled-micro-batch train function of `JaxStep` (see the module docstring)."""
+    """The pulled-micro-batch train function of `Step` (see the module docstring)."""
 
     def _pulled_step(self, features, k, apply, state, accumulators, data,
                      feature_state=None):

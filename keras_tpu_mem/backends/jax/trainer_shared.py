@@ -1,4 +1,4 @@
-"""Pieces both JAX step builders use (`engine/jax.py`, `engine/jax_pulled.py`)."""
+"""Pieces both JAX step builders use (`trainer.py`, `trainer_pulled.py`)."""
 
 from __future__ import annotations
 

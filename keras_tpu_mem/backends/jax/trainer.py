@@ -1,7 +1,8 @@
-"""The JAX engine: the composable step as one jitted, stateless function.
+"""The JAX trainer: the engine's composable step as one jitted, stateless function.
 
-`engine/core.py` holds what is backend-neutral (features, registration,
-lifetime); this module builds the step on JAX, where Keras' `fit` calls
+`keras_tpu_mem.engine` holds what is backend-neutral (features, registration,
+lifetime) and builds its step with `backends.current().trainer.Step(engine)`;
+this module is that step on JAX, where Keras' `fit` calls
 `logs, state = model.train_function(state, iterator)` with
 `state = (trainable, non_trainable, optimizer_variables, metrics_variables)`:
 
@@ -23,7 +24,7 @@ lifetime); this module builds the step on JAX, where Keras' `fit` calls
   array XLA puts the gradient all-reduce inside the loop: one per
   micro-batch), and no resharding of the batch.
 * **micro-batches pulled from the data** (`dataset_yields="micro_batches"`,
-  `engine/jax_pulled.py`): each micro-batch is one call of an accumulating or (the
+  `backends/jax/trainer_pulled.py`): each micro-batch is one call of an accumulating or (the
   k-th) applying jitted step, `(state, accumulators, data)`; the accumulators
   are arrays held by the train function (a leading per-device axis on the
   batch axis under a data-parallel axis >1, filled inside `shard_map`), so
@@ -56,11 +57,13 @@ from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem.engine.core import Feature, StepContext
-from keras_tpu_mem.engine.jax_pulled import PulledMicroBatchSteps
-from keras_tpu_mem.engine.jax_shared import PerDeviceState as _PerDeviceState
-from keras_tpu_mem.engine.jax_shared import leading_dim as _leading_dim
-from keras_tpu_mem.engine.jax_shared import multi_step_train_function as _multi_step_train_function
+from keras_tpu_mem.backends.jax.trainer_pulled import PulledMicroBatchSteps
+from keras_tpu_mem.backends.jax.trainer_shared import PerDeviceState as _PerDeviceState
+from keras_tpu_mem.backends.jax.trainer_shared import leading_dim as _leading_dim
+from keras_tpu_mem.backends.jax.trainer_shared import (
+    multi_step_train_function as _multi_step_train_function,
+)
+from keras_tpu_mem.backends.step import StepContext
 
 
 # ------------------------------------------------------------- distribution
@@ -93,7 +96,14 @@ def data_parallel_devices(distribution=None) -> list:
     return list(np.asarray(distribution.device_mesh.devices).flat)
 
 
-class JaxStep(PulledMicroBatchSteps):
+def update_variable(variable, fn, *args):
+    """`fn(variable, *args)`: the step is one SPMD program inside a
+    `keras.StatelessScope`, where an assignment becomes the step's new value on
+    every device (contract: `backends/tensorflow/trainer.py`'s `update_variable`)."""
+    return fn(variable, *args)
+
+
+class Step(PulledMicroBatchSteps):
     """Builds the JAX train function for an `Engine` (keras.distribution).
 
     Attributes:
@@ -112,7 +122,7 @@ class JaxStep(PulledMicroBatchSteps):
         self.jitted_step = None
 
     @property
-    def features(self) -> list[Feature]:
+    def features(self) -> list:
         return self.engine.features
 
     # ------------------------------------------------------ engine protocol
@@ -247,7 +257,7 @@ class JaxStep(PulledMicroBatchSteps):
             raise ValueError(
                 f"The step got {len(values)} carried and {len(frozen_values)} frozen feature "
                 f"values for {len(carried)} and {len(frozen)} feature variables; pass "
-                "`JaxStep.feature_state()` as the step's third argument.")
+                "`Step.feature_state()` as the step's third argument.")
         return [*zip(carried, values), *zip(frozen, frozen_values)]
 
     def feature_state(self, features=None):
@@ -267,7 +277,7 @@ class JaxStep(PulledMicroBatchSteps):
         model = self.model
         carried, _ = self._feature_variables(features)
         values = list(feature_state[0])
-        hooks = [f for f in features if type(f).after_update is not Feature.after_update]
+        hooks = [f for f in features if self.engine.has_hook(f, "after_update")]
         if not hooks:
             return trainable, non_trainable, values
         groups = [(model.trainable_variables, list(trainable)),

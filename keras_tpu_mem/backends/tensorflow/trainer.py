@@ -1,7 +1,8 @@
-"""The TensorFlow engine: the composable step under tf.distribute.
+"""The TensorFlow trainer: the engine's composable step under tf.distribute.
 
-`engine/core.py` holds what is backend-neutral (features, registration,
-lifetime); this module builds the step on TensorFlow:
+`keras_tpu_mem.engine` holds what is backend-neutral (features, registration,
+lifetime) and builds its step with `backends.current().trainer.Step(engine)`;
+this module is that step on TensorFlow:
 
 * one replica's step (`_replica_step`): forward pass and loss inside a
   `tf.GradientTape`, feature loss terms, one `apply_gradients`, the features'
@@ -29,9 +30,8 @@ import tensorflow as tf
 
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._compat import tensorflow as tf_compat
-from keras_tpu_mem._utils import leading_dim
-from keras_tpu_mem.engine import MICRO_BATCH_SPLIT
-from keras_tpu_mem.engine.core import StepContext, check_pulled_micro_batches, unscale_for_replicas
+from keras_tpu_mem.backends.step import MICRO_BATCH_SPLIT, StepContext, check_pulled_micro_batches
+from keras_tpu_mem.backends.structure import leading_dim
 
 
 def update_variable(variable, fn, *args):
@@ -57,7 +57,7 @@ def update_variable(variable, fn, *args):
     return tf_compat.maybe_merge_call(merged, tf.distribute.get_strategy(), *args)
 
 
-class TensorFlowStep:
+class Step:
     """Builds the TensorFlow train function for an `Engine` (tf.distribute)."""
 
     #: Supports `Feature.batches_per_update` (Keras' accumulation convention).
@@ -100,7 +100,7 @@ class TensorFlowStep:
         model = self.model
         batch = tf.shape(next(i for i in keras.tree.flatten(x) if i is not None))[0]
         tracker = keras_compat.loss_tracker(model)
-        tracker.update_state(unscale_for_replicas(loss), sample_weight=batch)
+        tracker.update_state(keras_compat.unscale_loss_for_distribution(loss), sample_weight=batch)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _unpack(self, data):
