@@ -1,8 +1,9 @@
 """keras-tpu-mem: fit bigger models into TPU memory with ordinary Keras 3 callbacks.
 
 Public names are flat: `import keras_tpu_mem as ktm; ktm.TPUStrategyWrapper()`.
-The package does not choose a Keras backend; its training features need the
-TensorFlow backend and say so when another is active.
+The package does not choose a Keras backend; its features run on Keras'
+TensorFlow and JAX backends (`keras_tpu_mem.backends` holds what differs) and say
+so when another is active.
 
 Importing the package loads none of its modules: each public name is loaded from its
 module on first use (PEP 562). That keeps `keras-tpu-mem --help` free of
@@ -42,6 +43,7 @@ _EXPORTS = {
     "compiled_memory": "planning",
     "plan": "planning",
     "Recommendation": "planning",
+    "StepOutOfMemoryError": "planning",
     "Rematerialize": "remat",
     "MixedBFloat16": "precision",
     "PrecisionReport": "precision",
@@ -68,6 +70,14 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
+#: Modules that train through the engine. Loading one also loads the planner's
+#: out-of-memory explainer, which registers itself with the engine
+#: (`engine.register_error_explainer`): the engine never imports the planner, so
+#: that a failed step's `StepOutOfMemoryError` (the compiled breakdown and the
+#: smallest change that fits) needs no import cycle.
+_TRAINS = frozenset({"accumulation", "distillation", "engine", "monitoring", "precision",
+                     "profiling", "pruning", "remat", "strategy"})
+
 _NEEDS_TENSORFLOW = (
     "{what} needs TensorFlow, which is not installed. Install it with "
     "`pip install keras-tpu-mem[tensorflow]` (or [cpu] for tensorflow-cpu); on a TPU VM "
@@ -77,7 +87,10 @@ _NEEDS_TENSORFLOW = (
 
 def _load(module_name: str, what: str):
     try:
-        return importlib.import_module(f"{__name__}.{module_name}")
+        module = importlib.import_module(f"{__name__}.{module_name}")
+        if module_name in _TRAINS:
+            importlib.import_module(f"{__name__}.planning.oom")
+        return module
     except ModuleNotFoundError as err:
         # The eager `import tensorflow` this package used to do gave this hint at
         # import time; now the module that needs TensorFlow gives it, naming
