@@ -18,6 +18,8 @@ from planning_models import encoder, wide_mlp
 
 from keras_tpu_mem import cli, planning
 from keras_tpu_mem.planning import compiled_memory, plan
+from keras_tpu_mem.planning.budget import model_precision
+from keras_tpu_mem.planning.specs import infer_data_specs
 
 
 # ---------------------------------------------------------------- models
@@ -186,8 +188,8 @@ def test_bf16_model_is_recognised_and_planned_as_it_is(mlp):
         bf16 = digits_mlp()
     finally:
         keras.config.set_dtype_policy("float32")
-    assert planning.model_precision(bf16) == "mixed_bfloat16"
-    assert planning.model_precision(f32) == "float32"
+    assert model_precision(bf16) == "mixed_bfloat16"
+    assert model_precision(f32) == "float32"
     f32_mem, bf16_mem = compiled_memory(f32, 64), compiled_memory(bf16, 64)
     # mixed_bfloat16 keeps float32 variables and slots. (Its temporaries on
     # XLA:CPU are no guide to a TPU: the CPU computes many bf16 ops in float32;
@@ -209,7 +211,7 @@ def test_specs_for_dict_inputs_and_non_sparse_losses():
     x = keras.layers.Concatenate()([a, keras.layers.Embedding(10, 2)(b)[:, 0, :]])
     model = keras.Model({"a": a, "b": b}, keras.layers.Dense(5)(x))
     model.compile(optimizer="sgd", loss="mse")
-    xs, ys = planning.infer_data_specs(model, 7)
+    xs, ys = infer_data_specs(model, 7)
     assert xs["a"].shape == (7, 6) and xs["b"].shape == (7, 3) and xs["b"].dtype == tf.int32
     assert ys.shape == (7, 5) and ys.dtype == tf.float32
     assert compiled_memory(model, 7).data_bytes == 7 * (6 * 4 + 3 * 4 + 5 * 4)
