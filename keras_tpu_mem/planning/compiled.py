@@ -204,6 +204,7 @@ class Compiler:
             devices=stats["devices"],
         )
         cache[key] = result
+        logger.debug("%s: compiled the step at batch %d: %s", self.what, global_batch, result)
         return result
 
 

@@ -2,9 +2,11 @@
 
 When the step the engine installed fails with RESOURCE_EXHAUSTED (TensorFlow's
 `tf.errors.ResourceExhaustedError`; JAX's `JaxRuntimeError` / `XlaRuntimeError`
-whose message starts with RESOURCE_EXHAUSTED), `Engine.explain` asks
-`explain_out_of_memory` for a clearer error, which the engine raises chained to
-the original. It holds:
+whose message starts with RESOURCE_EXHAUSTED: each backend's
+`backends/<name>/compiled.py` says which), `Engine.explain` asks the explainer
+this module registers with the engine (`explain_if_out_of_memory`, so that the
+engine never imports the planner) for a clearer error, which the engine raises
+chained to the original. It holds:
 
 * XLA's compiled breakdown of **this** step (the same features) at the batch
   that failed: weights, optimizer slots, gradient accumulators, activations

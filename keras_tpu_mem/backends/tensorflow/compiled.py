@@ -39,7 +39,6 @@ import keras
 import tensorflow as tf
 
 from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem._utils import logger
 
 UNIT = "replica"
 TABLE_SCOPE = "per-replica"
@@ -230,6 +229,4 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
                 "A TPU compiles every step with XLA too, so the same op would fail there; "
                 "see the full error above."
             ) from err
-    stats = _buffer_stats(proto)
-    logger.debug("compiled the TensorFlow step: %s", stats)
-    return dict(stats, platform=_platform(model), devices=1, hlo_text=text)
+    return dict(_buffer_stats(proto), platform=_platform(model), devices=1, hlo_text=text)
