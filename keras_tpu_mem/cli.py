@@ -136,7 +136,8 @@ class _CompileProgress:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from keras_tpu_mem.planning import load_model_factory, plan
+    from keras_tpu_mem.planning.model_factory import load_model_factory
+    from keras_tpu_mem.planning.planner import plan
 
     progress = _CompileProgress()
     progress.say(f"building the model from {args.model} ...")

@@ -1,4 +1,4 @@
-"""Where a plan runs (`DeviceBudget`), precisions, and the activation model."""
+"""Where a plan runs (`DeviceBudget`), precisions, the activation model, and what fits."""
 
 from __future__ import annotations
 
@@ -152,3 +152,24 @@ class ActivationModel:
         return abs(predicted - tm) / max(tm, 1)
 
 
+def divisors(n: int) -> list[int]:
+    """The accumulation steps a batch of `n` splits into evenly, ascending."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def largest_batch(budget, fixed_state, act, data_per_sample, other, limit=1 << 24) -> int:
+    """Largest batch b with fixed_state + act(b) + data(b) + other <= budget (0: none)."""
+    def fits(b):
+        return fixed_state + act(b) + data_per_sample * b + other <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -2,9 +2,11 @@
 
 When the step the engine installed fails with RESOURCE_EXHAUSTED (TensorFlow's
 `tf.errors.ResourceExhaustedError`; JAX's `JaxRuntimeError` / `XlaRuntimeError`
-whose message starts with RESOURCE_EXHAUSTED), `Engine.explain` asks
-`explain_out_of_memory` for a clearer error, which the engine raises chained to
-the original. It holds:
+whose message starts with RESOURCE_EXHAUSTED: each backend's
+`backends/<name>/compiled.py` says which), `Engine.explain` asks the explainer
+this module registers with the engine (`explain_if_out_of_memory`, so that the
+engine never imports the planner) for a clearer error, which the engine raises
+chained to the original. It holds:
 
 * XLA's compiled breakdown of **this** step (the same features) at the batch
   that failed: weights, optimizer slots, gradient accumulators, activations
@@ -24,9 +26,12 @@ from __future__ import annotations
 
 import re
 
-from keras_tpu_mem import devices
+from keras_tpu_mem import backends, devices, engine
 from keras_tpu_mem._utils import logger
-from keras_tpu_mem.engine.core import register_error_explainer
+from keras_tpu_mem.planning.budget import DeviceBudget, resolve_device
+from keras_tpu_mem.planning.memory_plan import candidates_table
+from keras_tpu_mem.planning.planner import plan
+from keras_tpu_mem.planning.search import _LEVER_NAMES
 
 _DEVICE = None
 _USED_OF = re.compile(r"Used\s+([\d.]+)([KMGT])?\s+of\s+([\d.]+)([KMGT])?\s+hbm", re.IGNORECASE)
@@ -64,26 +69,18 @@ def set_oom_device(device) -> None:
     """
     global _DEVICE
     if device is not None:
-        from keras_tpu_mem.planning.budget import resolve_device
-
         resolve_device(device)  # a bad value is an error here, not during a failing fit
     _DEVICE = device
 
 
 def is_resource_exhausted(error) -> bool:
-    """Whether `error` is an out-of-memory error of a compiled step, on either backend."""
-    kind = type(error).__name__
-    if kind == "ResourceExhaustedError":
-        return True
-    if kind in ("XlaRuntimeError", "JaxRuntimeError"):
-        return str(error).lstrip().startswith("RESOURCE_EXHAUSTED")
-    return False
+    """Whether `error` is an out-of-memory error of a compiled step on the running backend
+    (`backends.current().compiled.is_out_of_memory`)."""
+    return backends.current().compiled.is_out_of_memory(error)
 
 
 def _capacity(error, replicas):
     """A `DeviceBudget` for the explanation, or None where nothing says the capacity."""
-    from keras_tpu_mem.planning.budget import DeviceBudget, resolve_device
-
     if _DEVICE is not None:
         budget = resolve_device(_DEVICE)
         return DeviceBudget(budget.name, budget.capacity_bytes, replicas, budget.source)
@@ -92,25 +89,14 @@ def _capacity(error, replicas):
         capacity = int(float(match.group(3)) * _UNIT[match.group(4) and match.group(4).upper()])
         return DeviceBudget("the failing device", capacity, replicas,
                             "the error's 'Used ... of ... hbm'")
-    import keras
-
-    if keras.backend.backend() == "jax":
-        from keras_tpu_mem.backends.jax.trainer import data_parallel_devices
-
-        capacity, source = devices.jax_capacity(data_parallel_devices()[0])
+    # Where the runtime reports the device's limit (JAX: `memory_stats()`), or
+    # the TPU table names it.
+    device = backends.current().compiled.capacity_device()
+    if device is not None:
+        capacity, source = devices.jax_capacity(device)
         if capacity:
             return DeviceBudget("the device", int(capacity), replicas, source)
     return None
-
-
-def _replicas(model) -> int:
-    import keras
-
-    if keras.backend.backend() == "jax":
-        from keras_tpu_mem.backends.jax.trainer import data_parallel_size
-
-        return data_parallel_size()
-    return int(model.distribute_strategy.num_replicas_in_sync)
 
 
 def explain_out_of_memory(model, features, global_batch_size, error,
@@ -124,9 +110,6 @@ def explain_out_of_memory(model, features, global_batch_size, error,
         error: The original error.
         headroom: Fraction of capacity the recommendation keeps free.
     """
-    from keras_tpu_mem.planning.budget import DeviceBudget
-    from keras_tpu_mem.planning.planner import plan
-
     fb = devices.format_bytes
     names = ", ".join(type(f).__name__ for f in features) or "none"
     head = (f"The training step ran out of device memory (RESOURCE_EXHAUSTED) at global "
@@ -136,7 +119,8 @@ def explain_out_of_memory(model, features, global_batch_size, error,
             head + " The batch size of the step is unknown (not static), so no compiled "
             "breakdown: run ktm.plan(model, global_batch_size, device=..., "
             "callbacks=[...], search=True) for it.")
-    replicas = _replicas(model)
+    compiled = backends.current().compiled
+    replicas = compiled.replicas(model)
     budget = _capacity(error, replicas)
     searched = budget is not None
     if budget is None:
@@ -149,7 +133,7 @@ def explain_out_of_memory(model, features, global_batch_size, error,
         return StepOutOfMemoryError(
             head + f" The compiled breakdown could not be made ({type(err).__name__}: "
             f"{err}); the original error follows.", None, global_batch_size)
-    per = "device" if _is_jax() else "replica"
+    per = compiled.UNIT  # what one compile's bytes are of: "replica", or "device" (JAX)
     lines = [head,
              f"XLA's compile of this step, per {per} (per-{per} batch "
              f"{memory.per_replica_batch}):",
@@ -169,8 +153,6 @@ def explain_out_of_memory(model, features, global_batch_size, error,
                      f"{_callbacks_repr(rec, features)} to fit "
                      "(ktm.plan(..., search=True).recommendation.callbacks()).")
         if memory.candidates:
-            from keras_tpu_mem.planning.search import candidates_table
-
             lines.append(candidates_table(memory.candidates, memory.usable_bytes))
     elif searched:
         lines.append("No candidate of the search fits: a smaller global batch, more "
@@ -179,15 +161,7 @@ def explain_out_of_memory(model, features, global_batch_size, error,
                                 global_batch_size)
 
 
-def _is_jax() -> bool:
-    import keras
-
-    return keras.backend.backend() == "jax"
-
-
 def _callbacks_repr(rec, features) -> str:
-    from keras_tpu_mem.planning.search import _LEVER_NAMES
-
     kept = [type(f).__name__ + "(...)" for f in features if f.name not in _LEVER_NAMES]
     levers = []
     if rec.accumulation_steps > 1:
@@ -199,8 +173,18 @@ def _callbacks_repr(rec, features) -> str:
     return "[" + ", ".join([*kept, *levers]) + "]"
 
 
-# The engine asks its registered explainers after the features' own: only
-# RESOURCE_EXHAUSTED is ours.
-register_error_explainer(
-    lambda model, features, size, error: explain_out_of_memory(model, features, size, error)
-    if is_resource_exhausted(error) else None)
+def explain_if_out_of_memory(model, features, global_batch_size, error):
+    """The engine's error explainer: `explain_out_of_memory` for RESOURCE_EXHAUSTED, else None.
+
+    Registered with the engine when this module is imported, so the engine
+    explains an out-of-memory step without importing the planner.
+    """
+    if not is_resource_exhausted(error):
+        return None
+    return explain_out_of_memory(model, features, global_batch_size, error)
+
+
+# The engine asks its registered explainers after the features' own; the package
+# facade loads this module with any training feature, so a failed fit's
+# RESOURCE_EXHAUSTED is explained without the engine importing the planner.
+engine.register_error_explainer(explain_if_out_of_memory)

@@ -1,26 +1,28 @@
-"""`plan()`: a per-replica memory budget built on XLA compiles."""
+"""`plan()`: a per-replica memory budget built on XLA compiles.
+
+Without `callbacks` (nor `search`) the plan is the estimate here: Keras' own
+step compiled at a few batches, its temporaries extrapolated per sample and
+scaled for another precision. With them it is `search.compiled_plan`: the
+engine's step for those callbacks, compiled.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import textwrap
 from collections.abc import Callable, Sequence
 
-from keras_tpu_mem import devices
+from keras_tpu_mem import backends
 from keras_tpu_mem._utils import check_positive_int
 from keras_tpu_mem.planning.budget import (
     ActivationModel,
-    DeviceBudget,
     _normalise_precision,
+    divisors,
+    largest_batch,
     model_precision,
     resolve_device,
 )
-from keras_tpu_mem.planning.compiled import _Compiler, check_callbacks
-from keras_tpu_mem.planning.search import (
-    MAX_COMPILE_BATCH,
-    candidates_table,
-    compiled_plan,
-)
+from keras_tpu_mem.planning.compiled import Compiler, check_callbacks
+from keras_tpu_mem.planning.memory_plan import MemoryPlan, Recommendation, assemble
+from keras_tpu_mem.planning.search import MAX_COMPILE_BATCH, compiled_plan
 from keras_tpu_mem.planning.specs import _spec_bytes, _unique, _variable_bytes
 
 # Per-replica batches planned by compiling them directly: at most this.
@@ -31,230 +33,15 @@ _MAX_DIRECT_BATCH = 64
 # kernels and fusions change), but grow linearly from a few dozen rows on, so
 # the slope comes from two batches there.
 _DEFAULT_COMPILE_BATCHES = (32, 64)
+_HOST_COPY_NOTE = ("compiled on a host copy of the model (it was built under a "
+                   "tf.distribute strategy).")
 # A middle point further than this from the line through its neighbours
 # gets a note in the plan.
 _LINEARITY_TOLERANCE = 0.05
 
-@dataclasses.dataclass(frozen=True)
-class Recommendation:
-    """A configuration that fits: the levers to pull and its bytes per replica.
-
-    Attributes:
-        accumulation_steps: Micro-batches per update (1: no accumulation).
-        micro_batch: Examples per micro-batch.
-        total_bytes: The configuration's total per replica (compiled where
-            `compiled` is True, else the plan's estimate).
-        bf16: Whether it computes in bfloat16 (`ktm.MixedBFloat16`).
-        rematerialize: Whether layers' activations are recomputed in the
-            backward pass (`ktm.Rematerialize`).
-        compiled: Whether `total_bytes` comes from an XLA compile of the
-            engine's step for `callbacks()` (the search), not from scaling.
-    """
-
-    accumulation_steps: int
-    micro_batch: int
-    total_bytes: int
-    bf16: bool = False
-    rematerialize: bool = False
-    compiled: bool = False
-
-    def callbacks(self) -> list:
-        """The feature callbacks that realise this configuration, ready for `fit`.
-
-        Example:
-
-        ```python
-        p = ktm.plan(model, 4096, device="v3-8", search=True)
-        model.fit(ds, callbacks=p.recommendation.callbacks())
-        ```
-        """
-        import keras_tpu_mem as ktm
-
-        out = []
-        if self.accumulation_steps > 1:
-            out.append(ktm.GradientAccumulation(self.accumulation_steps))
-        if self.bf16:
-            out.append(ktm.MixedBFloat16())
-        if self.rematerialize:
-            from keras_tpu_mem.remat import Rematerialize
-
-            out.append(Rematerialize())
-        return out
-
-    def describe(self) -> str:
-        parts = []
-        if self.accumulation_steps > 1:
-            parts.append(f"GradientAccumulation({self.accumulation_steps}) "
-                         f"(micro-batch {self.micro_batch})")
-        if self.bf16:
-            parts.append("MixedBFloat16()")
-        if self.rematerialize:
-            parts.append("Rematerialize()")
-        return " + ".join(parts) or "as it is"
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """Per-replica memory budget of a training configuration.
-
-    All byte counts are per replica. `activation_bytes` are XLA's temporaries
-    of the train step at the micro-batch (activations kept for the backward
-    pass, the gradients XLA keeps live, workspace). `gradient_bytes` is one
-    full set of gradients, the most of them that can be live at once; XLA
-    computes them inside its temporaries (often fused into the update), so they
-    are reported but not added to the total a second time.
-    """
-
-    device: DeviceBudget
-    global_batch_size: int
-    per_replica_batch: int
-    accumulation_steps: int
-    micro_batch: int
-    precision: str
-    model_precision: str
-    headroom: float
-    weight_bytes: int
-    trainable_bytes: int
-    gradient_bytes: int
-    optimizer_bytes: int
-    accumulator_bytes: int
-    activation_bytes: int
-    data_bytes: int
-    other_bytes: int
-    activations_per_sample: float
-    activations_fixed: float
-    compiled_batches: tuple[int, ...]
-    extrapolated: bool
-    recommendation: Recommendation | None
-    bf16_activation_bytes: int | None
-    bf16_total_bytes: int | None
-    bf16_recommendation: Recommendation | None
-    largest_batch: int = 0
-    bf16_largest_batch: int | None = None
-    notes: tuple[str, ...] = ()
-    #: Names of the feature callbacks whose engine step was compiled (`callbacks=`).
-    features: tuple[str, ...] = ()
-    #: Candidates the search compiled, cheapest first (`search=True`).
-    candidates: tuple = ()
-    #: Whether a recommendation was looked for (the estimate's accumulation
-    #: sweep, or `search=True`); False for `plan(..., callbacks=...)` alone.
-    searched: bool = True
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.device.capacity_bytes
-
-    @property
-    def usable_bytes(self) -> int:
-        """Capacity minus the headroom kept for what the plan does not model."""
-        return int(self.device.capacity_bytes * (1.0 - self.headroom))
-
-    @property
-    def total_bytes(self) -> int:
-        return (self.weight_bytes + self.optimizer_bytes + self.accumulator_bytes
-                + self.activation_bytes + self.data_bytes + self.other_bytes)
-
-    @property
-    def fits(self) -> bool:
-        return self.total_bytes <= self.usable_bytes
-
-    @property
-    def bf16_fits(self) -> bool | None:
-        if self.bf16_total_bytes is None:
-            return None
-        return self.bf16_total_bytes <= self.usable_bytes
-
-    def table(self) -> str:
-        fb = devices.format_bytes
-        k = self.accumulation_steps
-        d = self.device
-        batch = (f"global batch {self.global_batch_size} = {d.replicas} replica(s) x "
-                 f"{self.per_replica_batch}")
-        if k > 1:
-            batch += f" = {k} micro-batches of {self.micro_batch}"
-        how = ("compiled at this batch" if not self.extrapolated else
-               f"extrapolated from XLA compiles at batches "
-               f"{', '.join(map(str, self.compiled_batches))}")
-        if self.features:
-            how = (f"the engine's step for {', '.join(self.features)}, "
-                   + ("compiled at this batch" if not self.extrapolated else
-                      "extrapolated per sample from its compiles at per-replica batches "
-                      + ", ".join(map(str, self.compiled_batches))))
-        elif self.precision != self.model_precision:
-            how += f"; {self.precision} estimated from the {self.model_precision} compiles"
-        lines = [
-            f"Memory plan on {d.name} ({fb(d.capacity_bytes)} per replica), {self.precision}",
-            f"  {batch}",
-            f"  {'weights':<24}{fb(self.weight_bytes):>12}",
-            f"  {'optimizer slots':<24}{fb(self.optimizer_bytes):>12}",
-            f"  {'gradient accumulators':<24}{fb(self.accumulator_bytes):>12}"
-            + ("" if k > 1 else "  (no accumulation)"),
-            f"  {'activations+workspace':<24}{fb(self.activation_bytes):>12}  "
-            f"XLA temporaries at batch {self.micro_batch}: "
-            f"{fb(self.activations_per_sample)}/sample + {fb(self.activations_fixed)} fixed "
-            f"({how})",
-            f"  {'  incl. gradients':<24}{fb(self.gradient_bytes):>12}  at most, "
-            "one per trainable weight",
-            f"  {'input batch':<24}{fb(self.data_bytes):>12}",
-            f"  {'other':<24}{fb(self.other_bytes):>12}  metric state, results, constants",
-            f"  {'total':<24}{fb(self.total_bytes):>12}  of {fb(self.usable_bytes)} usable "
-            f"({fb(d.capacity_bytes)} - {self.headroom:.0%} headroom)",
-            f"  fits: {'yes' if self.fits else 'NO'}; largest per-replica batch that fits "
-            f"without accumulation: {self.largest_batch}",
-        ]
-        rec = self.recommendation
-        if self.fits:
-            pass
-        elif rec is not None and rec.compiled:
-            lines.append(f"  -> fits with {rec.describe()}: {fb(rec.total_bytes)} compiled "
-                         "(callbacks: plan.recommendation.callbacks())")
-        elif rec is not None:
-            lines.append(
-                f"  -> fits with accumulation_steps={rec.accumulation_steps} "
-                f"(micro-batch {rec.micro_batch}): {fb(rec.total_bytes)}"
-            )
-        elif not self.searched:
-            lines.append("  -> not searched: plan(..., search=True) compiles accumulation "
-                         "and bf16 (on JAX also remat) candidates and recommends the "
-                         "cheapest that fits")
-        else:
-            lines.append("  -> does not fit even with one example per micro-batch")
-        if self.bf16_total_bytes is not None:
-            line = (f"  bf16 compute (mixed_bfloat16, estimate): activations "
-                    f"{fb(self.bf16_activation_bytes)}, total {fb(self.bf16_total_bytes)}, "
-                    f"fits: {'yes' if self.bf16_fits else 'no'}, largest per-replica batch "
-                    f"{self.bf16_largest_batch}")
-            brec = self.bf16_recommendation
-            if not self.bf16_fits and brec is not None:
-                line += (f"; with accumulation_steps={brec.accumulation_steps} "
-                         f"(micro-batch {brec.micro_batch}): {fb(brec.total_bytes)}")
-            lines.append(line)
-        if self.candidates:
-            lines.append(candidates_table(self.candidates, self.usable_bytes))
-        for note in self.notes:
-            lines.extend(textwrap.wrap(note, width=96, initial_indent="  note: ",
-                                       subsequent_indent="        "))
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-_NOT_MODELLED = (
-    "XLA's CPU compile is the reference: it does not apply TPU layout padding "
-    "(TPU tiles the two minor dimensions to multiples of 8 x 128 for float32, "
-    "16 x 128 for bfloat16, so small or odd feature sizes grow), the TPU compiler's "
-    "own fusion and scheduling, nor the runtime's reserved HBM and fragmentation; "
-    "the headroom covers these. Keep feature sizes multiples of 128."
-)
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
 
 def _recommend(per_replica, budget, fixed_state, trainable, act, data, other):
-    for k in _divisors(per_replica):
+    for k in divisors(per_replica):
         micro = per_replica // k
         accum = trainable if k > 1 else 0
         total = int(fixed_state + accum + act(micro) + data + other)
@@ -274,24 +61,6 @@ def _bf16_estimate(act: ActivationModel, trainable_bytes: int) -> ActivationMode
     intermediates in float32, so a CPU compile of a bf16 model shows more.
     """
     return act.scaled(0.5, trainable_bytes / 2)
-
-
-def _largest_batch(budget, fixed_state, act, data_per_sample, other, limit=1 << 24) -> int:
-    """Largest batch b with fixed_state + act(b) + data(b) + other <= budget (0: none)."""
-    def fits(b):
-        return fixed_state + act(b) + data_per_sample * b + other <= budget
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    if hi > limit:
-        return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
 
 
 def _validate_plan_args(global_batch_size, headroom, accumulation_steps, compile_batches):
@@ -436,11 +205,12 @@ def plan(
         raise ValueError(
             f"`accumulation_steps`={k} must divide the per-replica batch {per_replica} "
             f"(global {global_batch_size} / {replicas} replicas); divisors: "
-            f"{', '.join(map(str, _divisors(per_replica)))}."
+            f"{', '.join(map(str, divisors(per_replica)))}."
         )
     micro = per_replica // k
 
-    compiler = _Compiler(model, x_spec, y_spec, what="plan")
+    backends.current("plan").compiled.check_estimate("plan")
+    compiler = Compiler(model, x_spec, y_spec, what="plan")
     if compile_batches is not None:
         batches = sorted(set(compile_batches))
     elif micro <= _MAX_DIRECT_BATCH:
@@ -478,8 +248,7 @@ def plan(
             f"{err:.0%} off the line); the extrapolation is less certain."
         )
     if compiler.copied:
-        notes.append("compiled on a host copy of the model (it was built under a "
-                     "tf.distribute strategy).")
+        notes.append(_HOST_COPY_NOTE)
 
     weights = ref.weight_bytes
     optimizer = ref.optimizer_bytes
@@ -494,7 +263,7 @@ def plan(
     recommendation = _recommend(per_replica, usable, state, trainable, act, data_bytes, other)
 
     per_sample_data = data_bytes / per_replica
-    largest = _largest_batch(usable, state, act, per_sample_data, other)
+    largest = largest_batch(usable, state, act, per_sample_data, other)
     bf16_act = bf16_total = bf16_rec = bf16_largest = None
     if precision_used == "float32":
         bf16_model = _bf16_estimate(act, trainable)
@@ -502,79 +271,20 @@ def plan(
         bf16_total = state + accum + bf16_act + data_bytes + other
         bf16_rec = _recommend(per_replica, usable, state, trainable, bf16_model,
                               data_bytes, other)
-        bf16_largest = _largest_batch(usable, state, bf16_model, per_sample_data, other)
-    notes.append(_NOT_MODELLED)
-    return MemoryPlan(
-        device=budget_device,
-        global_batch_size=global_batch_size,
-        per_replica_batch=per_replica,
-        accumulation_steps=k,
-        micro_batch=micro,
-        precision=precision_used,
-        model_precision=own_precision,
-        headroom=float(headroom),
-        weight_bytes=weights,
-        trainable_bytes=trainable,
-        gradient_bytes=trainable,
-        optimizer_bytes=optimizer,
-        accumulator_bytes=accum,
-        activation_bytes=activation,
-        data_bytes=data_bytes,
-        other_bytes=other,
-        activations_per_sample=act.per_sample_bytes,
-        activations_fixed=act.fixed_bytes,
-        compiled_batches=tuple(batches),
-        extrapolated=micro not in batches,
-        recommendation=recommendation,
-        bf16_activation_bytes=bf16_act,
-        bf16_total_bytes=bf16_total,
-        bf16_recommendation=bf16_rec,
-        largest_batch=largest,
-        bf16_largest_batch=bf16_largest,
-        notes=tuple(notes),
-    )
-
-
-def load_model_factory(spec: str):
-    """Imports `MODULE:FUNCTION` (a dotted module or a .py path) and returns FUNCTION."""
-    import importlib
-    import importlib.util
-    import os
-
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(
-            f"--model must be MODULE:FUNCTION (e.g. 'examples.bert_memory:build_model' or "
-            f"'path/to/file.py:build'), got {spec!r}."
-        )
-    module_name, _, func_name = spec.rpartition(":")
-    if module_name.endswith(".py") or os.sep in module_name:
-        if not os.path.exists(module_name):
-            raise ValueError(f"--model: no such file {module_name!r}.")
-        mod_spec = importlib.util.spec_from_file_location(
-            os.path.splitext(os.path.basename(module_name))[0], module_name)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        import sys
-
-        if os.getcwd() not in sys.path:  # console scripts do not put "." on sys.path
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise ValueError(f"--model: cannot import {module_name!r}: {err}") from err
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise ValueError(f"--model: {module_name!r} has no callable {func_name!r}.")
-    return func
-
+        bf16_largest = largest_batch(usable, state, bf16_model, per_sample_data, other)
+    return assemble(budget_device, global_batch_size, per_replica, k, ref,
+                    headroom=headroom, precision=precision_used, own_precision=own_precision,
+                    trainable=trainable, accumulators=accum, activation=activation,
+                    data=data_bytes, other=other,
+                    activations=(act.per_sample_bytes, act.fixed_bytes), batches=batches,
+                    extrapolated=micro not in batches, recommendation=recommendation,
+                    largest=largest, notes=notes,
+                    bf16=(bf16_act, bf16_total, bf16_rec, bf16_largest))
 
 
 def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accumulation_steps,
                       precision, headroom, compile_batches, x_spec, y_spec, progress, cap):
     """`plan(..., callbacks=...)` / `plan(..., search=True)`: see `search.compiled_plan`."""
-    import keras
-
     for name, value in (("accumulation_steps", accumulation_steps), ("precision", precision),
                         ("compile_batches", compile_batches)):
         if value is not None:
@@ -588,17 +298,11 @@ def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accum
     budget_device = resolve_device(device)
     per_replica = _per_replica_batch(global_batch_size, budget_device)
     notes = []
-    if keras.backend.backend() == "jax":
-        from keras_tpu_mem.planning.compiled_jax import JaxCompiler
-
-        # Per replica = per data-parallel shard of the active distribution;
-        # every byte count is one device's (see compiled_jax).
-        compiler = JaxCompiler(model, x_spec, y_spec, what="plan")
-    else:
-        compiler = _Compiler(model, x_spec, y_spec, what="plan")
+    # On JAX per replica = per data-parallel shard of the active distribution,
+    # and every byte count is one device's (see `Compiler.__call__`).
+    compiler = Compiler(model, x_spec, y_spec, what="plan")
     if compiler.copied:
-        notes.append("compiled on a host copy of the model (it was built under a "
-                     "tf.distribute strategy).")
+        notes.append(_HOST_COPY_NOTE)
     wrapped = None
     if progress is not None:
         def wrapped(done, total, batch):

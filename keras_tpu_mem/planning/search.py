@@ -17,8 +17,14 @@ and stops at the first that fits.
 
 from __future__ import annotations
 
-from keras_tpu_mem import devices
-from keras_tpu_mem.planning.budget import ActivationModel, model_precision
+from keras_tpu_mem import backends
+from keras_tpu_mem.planning.budget import (
+    ActivationModel,
+    divisors,
+    largest_batch,
+    model_precision,
+)
+from keras_tpu_mem.planning.memory_plan import Recommendation, assemble, lever_callbacks
 from keras_tpu_mem.planning.specs import _spec_bytes, _unique, _variable_bytes
 
 #: Per-replica batches compiled directly by a plan with callbacks: at most this.
@@ -26,10 +32,6 @@ MAX_COMPILE_BATCH = 8192
 
 # Feature kinds the search sets itself (engine `Feature.name`s).
 _LEVER_NAMES = ("micro_batching", "compute_policy", "rematerialize")
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _has(features, name: str) -> bool:
@@ -54,7 +56,7 @@ class CompiledStep:
         else:
             # Two batches below the cap that every feature can split like the
             # requested one (multiples of its divisor), a factor 2 apart.
-            fitting = [b for b in _divisors(per_replica) if b <= cap and b % divisor == 0]
+            fitting = [b for b in divisors(per_replica) if b <= cap and b % divisor == 0]
             if len(fitting) < 2:
                 raise ValueError(
                     f"plan: cannot extrapolate the per-replica batch {per_replica}: no two "
@@ -111,33 +113,6 @@ def _divisor_for(features, per_replica: int) -> int:
     return 1
 
 
-def _lever_features(k: int, bf16: bool, remat: bool) -> list:
-    import keras_tpu_mem as ktm
-
-    out = []
-    if k > 1:
-        out.append(ktm.GradientAccumulation(k))
-    if bf16:
-        out.append(ktm.MixedBFloat16())
-    if remat:
-        from keras_tpu_mem.remat import Rematerialize
-
-        out.append(Rematerialize())
-    return out
-
-
-def _remat_available() -> bool:
-    """Whether the search tries `Rematerialize()` (mode="layers"): JAX only.
-
-    On TensorFlow only its activation functions can be recomputed (whole layers
-    crash in fit, keras-team/keras#21207), which XLA mostly fuses already: not
-    a lever worth a compile per candidate.
-    """
-    import keras
-
-    return keras.backend.backend() == "jax"
-
-
 def search_levers(compile_fn, base_features, per_replica: int, usable: int, data_bytes: int,
                   cap: int, model, progress=None):
     """Compiles candidates cheapest first; returns `(candidates, first that fits or None)`.
@@ -147,16 +122,16 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
     as it is, bfloat16 compute, rematerialisation, both (bfloat16 only when the
     model computes in float32; rematerialisation where the backend supports it).
     """
-    from keras_tpu_mem.planning.planner import Recommendation
-
     base = [f for f in base_features if f.name not in _LEVER_NAMES]
     bf16_options = [False, True] if model_precision(model) == "float32" else [False]
-    remat_options = [False, True] if _remat_available() else [False]
+    # Rematerialisation where the backend has it as a lever (JAX: whole layers).
+    remat_options = ([False, True] if backends.current("plan").compiled.REMATERIALIZE_LEVER
+                     else [False])
     candidates = []
-    for k in _divisors(per_replica):
+    for k in divisors(per_replica):
         for remat in remat_options:
             for bf16 in bf16_options:
-                features = base + _lever_features(k, bf16, remat)
+                features = base + lever_callbacks(k, bf16, remat)
                 step = CompiledStep(compile_fn, features, per_replica, cap, progress)
                 total = step.total_bytes(data_bytes)
                 rec = Recommendation(k, per_replica // k, int(total), bf16=bf16,
@@ -167,30 +142,10 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
     return tuple(candidates), None
 
 
-def candidates_table(candidates, usable: int) -> str:
-    """The candidates a search compiled, as a table."""
-    fb = devices.format_bytes
-    lines = ["  search (compiled, cheapest first):",
-             f"    {'micro-batches':>13}  {'micro-batch':>11}  {'bf16':<4}  {'remat':<5}  "
-             f"{'total':>12}  fits"]
-    for c in candidates:
-        lines.append(
-            f"    {c.accumulation_steps:>13}  {c.micro_batch:>11}  "
-            f"{'yes' if c.bf16 else 'no':<4}  {'yes' if c.rematerialize else 'no':<5}  "
-            f"{fb(c.total_bytes):>12}  {'yes' if c.total_bytes <= usable else 'no'}")
-    return "\n".join(lines)
-
-
 def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
                   per_replica: int, headroom: float, search: bool, cap: int, progress=None,
                   notes=()):
     """A `MemoryPlan` from compiles of the engine's step for `features`."""
-    from keras_tpu_mem.planning.planner import (
-        _NOT_MODELLED,
-        MemoryPlan,
-        _largest_batch,
-    )
-
     calls = [0]
 
     def compile_fn(batch, feats, progress_fn):
@@ -205,7 +160,6 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
     data_bytes = _spec_bytes(compiler.specs(per_replica))
     total = step.total_bytes(data_bytes)
     k = ref.micro_batches
-    micro = per_replica // k
     accum = ref.accumulator_bytes
     temps = int(round(step.temp_bytes()))
     activation = temps - accum
@@ -220,8 +174,8 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
     else:
         per_sample, fixed = activation / max(per_replica, 1), 0.0
         act = ActivationModel(((per_replica, max(activation, 0)),))
-    largest = _largest_batch(usable, weights + optimizer, act, data_bytes / per_replica,
-                             other) if k == 1 else 0
+    largest = largest_batch(usable, weights + optimizer, act, data_bytes / per_replica,
+                            other) if k == 1 else 0
     candidates, recommendation = (), None
     if search:
         candidates, recommendation = search_levers(
@@ -231,42 +185,18 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
     names = tuple(type(f).__name__ for f in sorted(features, key=lambda f: (f.order, f.name)))
     bf16 = _has(features, "compute_policy")
     notes = list(notes)
+    own_precision = model_precision(user_model)
     if not step.extrapolated:
         notes.append("activations per sample: the compiled temporaries divided by the "
                      "batch (one compile; the fixed part is not separated).")
     if search and recommendation is None:
         notes.append("no candidate of the search fits: a smaller global batch, more "
                      "replicas or a larger device.")
-    notes.append(_NOT_MODELLED)
-    return MemoryPlan(
-        device=budget_device,
-        global_batch_size=global_batch_size,
-        per_replica_batch=per_replica,
-        accumulation_steps=k,
-        micro_batch=micro,
-        precision="mixed_bfloat16" if bf16 else model_precision(user_model),
-        model_precision=model_precision(user_model),
-        headroom=float(headroom),
-        weight_bytes=weights,
-        trainable_bytes=trainable,
-        gradient_bytes=trainable,
-        optimizer_bytes=optimizer,
-        accumulator_bytes=accum,
-        activation_bytes=activation,
-        data_bytes=data_bytes,
-        other_bytes=other,
-        activations_per_sample=per_sample,
-        activations_fixed=fixed,
-        compiled_batches=step.batches,
-        extrapolated=step.extrapolated,
-        recommendation=recommendation,
-        bf16_activation_bytes=None,
-        bf16_total_bytes=None,
-        bf16_recommendation=None,
-        largest_batch=largest,
-        bf16_largest_batch=None,
-        notes=tuple(notes),
-        features=names,
-        candidates=candidates,
-        searched=bool(search),
-    )
+    return assemble(budget_device, global_batch_size, per_replica, k, ref,
+                    headroom=headroom, precision="mixed_bfloat16" if bf16 else own_precision,
+                    own_precision=own_precision, trainable=trainable, accumulators=accum,
+                    activation=activation, data=data_bytes, other=other,
+                    activations=(per_sample, fixed), batches=step.batches,
+                    extrapolated=step.extrapolated, recommendation=recommendation,
+                    largest=largest, notes=notes, features=names, candidates=candidates,
+                    searched=bool(search))

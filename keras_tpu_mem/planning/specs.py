@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 
+from keras_tpu_mem import backends
 from keras_tpu_mem._utils import check_positive_int
 
 
@@ -73,19 +74,13 @@ def _is_sparse_loss(loss) -> bool:
 
 
 def _make_spec(shape, dtype):
-    """A static spec of the backend: `tf.TensorSpec` on TensorFlow, `jax.ShapeDtypeStruct`
-    on JAX (which has no TensorFlow); both expose `.shape` and `.dtype.name`."""
+    """A static spec of the backend (`backends.current().compiled.make_spec`: a
+    `tf.TensorSpec` on TensorFlow, a `jax.ShapeDtypeStruct` on JAX, which has no
+    TensorFlow); both expose `.shape` and `.dtype.name`."""
     import keras
 
     name = keras.backend.standardize_dtype(getattr(dtype, "name", dtype))
-    if keras.backend.backend() == "jax":
-        import jax
-        import jax.numpy as jnp
-
-        return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(name))
-    import tensorflow as tf
-
-    return tf.TensorSpec([int(d) for d in shape], tf.as_dtype(name))
+    return backends.current().compiled.make_spec(shape, name)
 
 
 def _is_float_dtype(dtype) -> bool:

@@ -1,0 +1,203 @@
+"""Compiling a step for its memory on JAX: `jax.jit(...).lower(...).compile()`, read
+through `memory_analysis()`.
+
+The step is the engine's own (`JaxStep.make_step(jit=False)`, the function
+`fit` jits) for the given features, or Keras' `model.train_step` without any,
+jitted as `fit` jits it (`donate_argnums=0`; under a `keras.distribution` the
+state's shardings as `out_shardings`), lowered on `jax.ShapeDtypeStruct`s that
+carry the distribution's shardings, compiled, and read through
+`compiled.memory_analysis()`. Under SPMD the compiled module is one device's
+program, so every byte count is what **one device** holds. Nothing runs: the
+structs hold no data, and the model's variables are only read for their
+shapes, dtypes and layouts (so this works during a `fit`, whose JAX trainer
+purges the variables' values, as the OOM explanation needs).
+
+Contract: see `backends/tensorflow/compiled.py`; here `UNIT` is `"device"` and
+`TABLE_SCOPE` `"per device"`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem.backends.require import require_tensorflow_backend
+
+UNIT = "device"
+TABLE_SCOPE = "per device"
+# Whole layers can be recomputed on JAX (`Rematerialize(mode="layers")`).
+REMATERIALIZE_LEVER = True
+PULLED_STEP = ("is not an engine step on JAX; plan GradientAccumulation(steps) "
+               "(dataset_yields='global_batches') at the batch of one update.")
+
+
+def make_spec(shape, dtype_name: str):
+    """A `jax.ShapeDtypeStruct` (exposes `.shape` and `.dtype.name`)."""
+    return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(dtype_name))
+
+
+def is_out_of_memory(error) -> bool:
+    """JAX's runtime error (`JaxRuntimeError`, formerly `XlaRuntimeError`) whose message
+    starts with RESOURCE_EXHAUSTED."""
+    if type(error).__name__ in ("XlaRuntimeError", "JaxRuntimeError"):
+        return str(error).lstrip().startswith("RESOURCE_EXHAUSTED")
+    return False
+
+
+def _distribution():
+    return keras.distribution.distribution()
+
+
+def replicas(model=None) -> int:
+    """Devices along the batch axis of the active `keras.distribution` (1 without one)."""
+    distribution = _distribution()
+    if distribution is None:
+        return 1
+    mesh = distribution.device_mesh
+    sizes = dict(zip(mesh.axis_names, mesh.shape))
+    return int(sizes.get(distribution.batch_dim_name, 1))
+
+
+def _mesh_devices(distribution) -> list:
+    if distribution is None:
+        return jax.devices()[:1]
+    return list(np.asarray(distribution.device_mesh.devices).flat)
+
+
+def capacity_device():
+    """The first device that holds the batch."""
+    return _mesh_devices(_distribution())[0]
+
+
+def check_estimate(what: str) -> None:
+    """The estimate (`plan` without callbacks) is built on TensorFlow's per-replica
+    compiles; on JAX `plan` takes `callbacks=` or `search=True`."""
+    require_tensorflow_backend(what)
+
+
+def check_context(what: str) -> None:
+    """Any context: the compile follows the active `keras.distribution`."""
+
+
+def compile_shards() -> int:
+    """The data-parallel devices of the active distribution: one compile is all of them."""
+    return replicas()
+
+
+def distributed_strategy(model):
+    """None: a JAX model's variables compile under any distribution."""
+    return None
+
+
+def host_copy(model):
+    """The model itself (never needed: see `distributed_strategy`)."""
+    return model
+
+
+def _variable_sharding(distribution, variable):
+    """The sharding a variable has under the distribution (its layout), or None."""
+    if distribution is None:
+        return None
+    layout = distribution.get_variable_layout(variable)
+    return getattr(layout, "backend_layout", layout)
+
+
+def _data_sharding(distribution, shape):
+    if distribution is None:
+        return None
+    layout = distribution.get_data_layout(tuple(shape))
+    return getattr(layout, "backend_layout", layout)
+
+
+def _sharding(distribution, shape, variable):
+    if variable is None:
+        return _data_sharding(distribution, shape)
+    return _variable_sharding(distribution, variable)
+
+
+def device_shape(shape, variable=None) -> tuple:
+    """One device's shard of a variable (its layout) or of the batch (the data layout)."""
+    sharding = _sharding(_distribution(), shape, variable)
+    if sharding is None:
+        return tuple(shape)
+    return tuple(sharding.shard_shape(tuple(shape)))
+
+
+def cache_scope():
+    """The distribution: its layouts change the compiled program."""
+    return id(_distribution())
+
+
+def _struct(shape, dtype, sharding):
+    if sharding is None:
+        return jax.ShapeDtypeStruct(tuple(shape), dtype)
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def _state_structs(model, distribution):
+    """`(trainable, non_trainable, optimizer, metrics)` structs, as `fit` passes the state."""
+    def structs(variables):
+        return [_struct(v.shape, keras.backend.standardize_dtype(v.dtype),
+                        _variable_sharding(distribution, v)) for v in variables]
+
+    return (structs(model.trainable_variables), structs(model.non_trainable_variables),
+            structs(model.optimizer.variables), structs(model.metrics_variables))
+
+
+def _batch_structs(distribution, xs, ys):
+    return keras.tree.map_structure(
+        lambda s: _struct(s.shape, s.dtype, _data_sharding(distribution, s.shape)), (xs, ys))
+
+
+def _platform_and_devices(distribution):
+    devices = _mesh_devices(distribution)
+    return str(devices[0].platform).upper(), (1 if distribution is None else len(devices))
+
+
+def _module_name(compiled) -> str:
+    try:
+        return compiled.runtime_executable().hlo_modules()[0].name
+    except Exception:  # only a label in the table
+        return ""
+
+
+def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
+                 description: str) -> dict:
+    """Lowers and compiles the step for the batch specs and reads `memory_analysis()`."""
+    distribution = _distribution()
+    state = _state_structs(model, distribution)
+    batch = _batch_structs(distribution, xs, ys)
+    out_shardings = None
+    if distribution is not None:
+        # As `JaxStep.make_step` / Keras' `make_train_function`: the state comes
+        # back with the shardings it went in with (read from the layouts here,
+        # not from the variables' values, which a running fit has purged).
+        out_shardings = (None, jax.tree_util.tree_map(lambda s: s.sharding, state))
+    with compile_context(model, features) as backend_step:
+        step = (backend_step.make_step(jit=False) if features
+                else model.train_step)
+        jitted = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+        try:
+            compiled = jitted.lower(state, batch).compile()
+        except Exception as err:
+            first = str(err).splitlines()[0] if str(err) else ""
+            raise RuntimeError(f"XLA could not compile {description} on JAX "
+                               f"({type(err).__name__}: {first}).") from err
+    stats = jax_compat.memory_analysis(compiled)
+    platform, devices = _platform_and_devices(distribution)
+    return dict(
+        argument=int(stats.argument_size_in_bytes),
+        temp=int(stats.temp_size_in_bytes),
+        live_out=int(stats.output_size_in_bytes),
+        alias=int(stats.alias_size_in_bytes),
+        # memory_analysis() has no constants entry: they are part of the
+        # generated code, reported apart and not counted here.
+        constant=0,
+        module_name=_module_name(compiled),
+        platform=platform,
+        devices=devices,
+        hlo_text=compiled.as_text() if hlo_text else "",
+    )

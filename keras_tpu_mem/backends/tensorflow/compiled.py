@@ -1,0 +1,232 @@
+"""Compiling a step for its memory on TensorFlow: `tf.function(jit_compile=True)`,
+read through `experimental_get_compiler_ir` and XLA's `HloProto` buffer assignment.
+
+The compile is one replica's step for the host: a model built under a
+`tf.distribute` strategy is compiled on a default-strategy copy.
+
+Contract (same in `backends/jax/compiled.py`; `keras_tpu_mem.planning` reads it):
+
+* `UNIT`: what one compile's bytes are of (`"replica"`); `TABLE_SCOPE`: how a
+  `CompiledMemory` table names its batch (`"per-replica"`).
+* `REMATERIALIZE_LEVER`: whether `plan(..., search=True)` tries `Rematerialize()`.
+* `PULLED_STEP`: why a feature that pulls micro-batches from the dataset has
+  no step to compile, and what to plan instead.
+* `make_spec(shape, dtype_name)`: a static spec of one tensor.
+* `is_out_of_memory(error)`: whether `error` is a step's RESOURCE_EXHAUSTED.
+* `replicas(model)`: replicas the global batch of `model`'s fit splits over.
+* `capacity_device()`: the device whose capacity an OOM is planned against
+  (None: the runtime does not say).
+* `check_estimate(what)` / `check_context(what)`: raise where the plan's
+  estimate, or a compile here and now, is not possible.
+* `compile_shards()`: data-parallel shards one compile's batch spans.
+* `distributed_strategy(model)` / `host_copy(model)`: the strategy whose
+  variables a host compile cannot take (None: none), and a copy without it.
+* `device_shape(shape, variable=None)`: one device's shard of a variable (or
+  of the batch, without `variable`).
+* `cache_scope()`: what, besides the model's state, a compile depends on.
+* `compile_step(model, xs, ys, features, compile_context, hlo_text, description)`:
+  compiles the step (`compile_context(model, features)` installs the
+  features) and returns plain numbers: `argument`, `temp`, `live_out`,
+  `alias`, `constant` bytes, `module_name`, `platform`, `devices`, `hlo_text`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import keras
+import tensorflow as tf
+
+from keras_tpu_mem._compat import keras as keras_compat
+
+UNIT = "replica"
+TABLE_SCOPE = "per-replica"
+# Only activation functions can be recomputed on TensorFlow (whole layers
+# crash in fit, keras-team/keras#21207), which XLA mostly fuses already: not a
+# lever worth a compile per candidate.
+REMATERIALIZE_LEVER = False
+PULLED_STEP = ("compiles a different step per window position; plan "
+               "GradientAccumulation(steps) (dataset_yields='global_batches') at the "
+               "per-replica batch of one update instead: its memory is the same "
+               "micro-batch loop's.")
+
+
+def make_spec(shape, dtype_name: str):
+    """A `tf.TensorSpec` (exposes `.shape` and `.dtype.name`)."""
+    return tf.TensorSpec([int(d) for d in shape], tf.as_dtype(dtype_name))
+
+
+def is_out_of_memory(error) -> bool:
+    """Whether `error` is a `tf.errors.ResourceExhaustedError` (matched by class name)."""
+    return type(error).__name__ == "ResourceExhaustedError"
+
+
+def replicas(model) -> int:
+    return int(model.distribute_strategy.num_replicas_in_sync)
+
+
+def capacity_device():
+    """None: TensorFlow's runtime says the capacity only in the error's text."""
+    return None
+
+
+def check_estimate(what: str) -> None:
+    """The estimate (`plan` without callbacks) is built on TensorFlow compiles: always here."""
+
+
+def check_context(what: str) -> None:
+    if tf.distribute.has_strategy():
+        raise RuntimeError(
+            f"{what}: call it outside `strategy.scope()`: it compiles one replica's "
+            "step for the host, whatever strategy the model trains under."
+        )
+
+
+def compile_shards() -> int:
+    """1: the compile is one replica's step."""
+    return 1
+
+
+def distributed_strategy(model):
+    """The strategy a model was built under, or None for the default strategy.
+
+    Keras' TensorFlow trainer records the strategy only when the model is
+    created inside a `strategy.scope()`.
+    """
+    return keras_compat.model_strategy(model)
+
+
+def host_copy(model):
+    """A default-strategy copy of a model built under a tf.distribute strategy.
+
+    XLA cannot compile a step whose variables live on several devices (a
+    MirroredStrategy's per-replica copies, TPU variables) for the host, so the
+    step is compiled on a clone: same layers and compile config, fresh
+    variables, the user's model untouched.
+    """
+    if tf.distribute.has_strategy():
+        raise RuntimeError(
+            "compiled_memory/plan: call it outside `strategy.scope()`; it compiles one "
+            "replica's step for the host on a copy of the model."
+        )
+    try:
+        with tf.device("/CPU:0"):
+            clone = keras.models.clone_model(model)
+            clone.compile_from_config(model.get_compile_config())
+    except Exception as err:
+        raise RuntimeError(
+            f"The model was built under {type(model.distribute_strategy).__name__}, whose "
+            "variables XLA cannot compile for the host, and copying it failed "
+            f"({type(err).__name__}: {err}). Build and compile the same model outside "
+            "the strategy scope (plain weights are enough) and plan that one."
+        ) from err
+    if clone.optimizer is None:
+        raise RuntimeError(
+            "Could not recompile a host copy of the model (its `compile` is custom). "
+            "Build and compile the same model outside the strategy scope and plan that."
+        )
+    return clone
+
+
+def device_shape(shape, variable=None) -> tuple:
+    """The whole shape: one replica holds all of every variable and its batch."""
+    return tuple(shape)
+
+
+def cache_scope():
+    return None
+
+
+def _hlo_proto_class():
+    try:  # TensorFlow 2.16 - 2.21 ship the XLA protos under tensorflow.compiler.
+        from tensorflow.compiler.xla.service import hlo_pb2
+    except ImportError:  # pragma: no cover - other layouts
+        try:
+            from xla.service import hlo_pb2  # type: ignore[no-redef]
+        except ImportError as err:
+            raise RuntimeError(
+                "compiled_memory needs XLA's HloProto definitions "
+                "(tensorflow.compiler.xla.service.hlo_pb2), which this TensorFlow "
+                "does not ship."
+            ) from err
+    return hlo_pb2.HloProto
+
+
+def _buffer_stats(serialized: bytes) -> dict:
+    proto = _hlo_proto_class()()
+    proto.ParseFromString(serialized)
+    stats = dict(argument=0, temp=0, live_out=0, alias=0, constant=0)
+    # Parameters updated in place. Newer XLA marks the allocation
+    # (`is_parameter_aliased_with_output`); every version lists the module's
+    # input/output aliases, which is what TensorFlow 2.19's proto offers.
+    aliased = {
+        (int(e.parameter_number), tuple(e.parameter_shape_index))
+        for e in proto.hlo_module.input_output_alias.entries
+    }
+    for alloc in proto.buffer_assignment.buffer_allocations:
+        size = int(alloc.size)
+        if alloc.is_entry_computation_parameter:
+            stats["argument"] += size
+            number = int(alloc.parameter_number)
+            flag = getattr(alloc, "is_parameter_aliased_with_output", False)
+            if flag or (number, tuple(alloc.parameter_shape_index)) in aliased:
+                stats["alias"] += size
+        if alloc.maybe_live_out:
+            stats["live_out"] += size
+        if alloc.is_constant:
+            stats["constant"] += size
+        if not (alloc.is_entry_computation_parameter or alloc.maybe_live_out
+                or alloc.is_thread_local or alloc.is_constant):
+            stats["temp"] += size
+    stats["module_name"] = proto.hlo_module.name
+    return stats
+
+
+def _platform(model) -> str:
+    try:
+        device = model.trainable_variables[0].value.device or ""
+    except (IndexError, AttributeError):
+        device = ""
+    match = re.search(r"device:([A-Z]+):", device)
+    return match.group(1) if match else "CPU"
+
+
+def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
+                 description: str) -> dict:
+    """Compiles one train step with XLA and reads its buffer assignment.
+
+    Without features this is Keras' own `train_step`. With features it is the
+    engine's per-replica step (`TensorFlowStep._replica_step`) with those
+    features installed, exactly what `fit` would run on each replica, traced
+    with `jit_compile=True` as a TPU compiles it.
+    """
+    # experimental_get_compiler_ir takes flat TensorSpecs only: pass the
+    # leaves and rebuild (x, y) inside.
+    structure = (xs, ys)
+    flat = keras.tree.flatten(structure)
+    with contextlib.ExitStack() as stack:
+        if features:
+            step = stack.enter_context(compile_context(model, features))
+            train_step = tf.autograph.experimental.do_not_convert(step._replica_step)
+        else:
+            train_step = model.train_step
+
+        @tf.function(jit_compile=True, reduce_retracing=False)
+        def one_train_step(*leaves):
+            x, y = keras.tree.pack_sequence_as(structure, list(leaves))
+            return train_step((x, y))
+
+        try:
+            generator = one_train_step.experimental_get_compiler_ir(*flat)
+            proto = generator(stage="optimized_hlo_proto_serialized")
+            # A second XLA compile of the same graph: only when asked.
+            text = generator(stage="optimized_hlo") if hlo_text else ""
+        except Exception as err:
+            raise RuntimeError(
+                f"XLA could not compile {description} for the host "
+                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
+                "A TPU compiles every step with XLA too, so the same op would fail there; "
+                "see the full error above."
+            ) from err
+    return dict(_buffer_stats(proto), platform=_platform(model), devices=1, hlo_text=text)

@@ -1,0 +1,122 @@
+"""`CompiledMemory`: XLA's buffer assignment of one compiled train step, in bytes.
+
+How the buffer assignment maps to the numbers (see docs/planning.md):
+
+* arguments   = sum of allocations with `is_entry_computation_parameter`
+* live-out    = sum of allocations with `maybe_live_out`
+* aliased     = parameter allocations updated in place (variables: counted in
+  arguments and live-out, held once): `is_parameter_aliased_with_output`,
+  or the module's `input_output_alias` where the proto lacks that flag (TF 2.19)
+* temporaries = every other allocation that is neither thread-local (stack)
+  nor constant: XLA's preallocated temp buffer(s), packed by its heap
+  simulator, holding activations, gradients and workspace
+* total       = arguments + temporaries + live-out - aliased + constants
+
+On JAX the same quantities come from `compile().memory_analysis()` (see
+`keras_tpu_mem/backends/jax/compiled.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from keras_tpu_mem import backends, devices
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """XLA's buffer assignment of one compiled train step, in bytes.
+
+    Attributes:
+        batch_size: The per-replica batch the step was compiled for.
+        argument_bytes: Entry parameters: weights, optimizer slots, metric
+            state and the batch itself.
+        data_bytes: The part of `argument_bytes` that is the batch (x, y).
+        temp_bytes: XLA's temporaries: activations kept for the backward pass,
+            gradients and fusion workspace, packed by liveness.
+        live_out_bytes: Results that outlive the step (updated variables,
+            metric values).
+        alias_bytes: Parameters updated in place (in both arguments and live-out).
+        constant_bytes: Constants baked into the program.
+        weight_bytes: Bytes of `model.weights` (for reference).
+        optimizer_bytes: Bytes of the optimizer's variables (for reference).
+        module_name: The HLO module's name.
+        platform: Where the compile ran, e.g. `"CPU"`.
+        features: Names of the feature callbacks whose engine step was
+            compiled (empty: Keras' own `train_step`).
+        micro_batches: Micro-batches per update in that step (1: none).
+        accumulator_bytes: The gradient accumulators of the micro-batch loop
+            (one per trainable weight, in the weights' dtype), 0 without
+            accumulation. They are loop state, so XLA counts them inside
+            `temp_bytes`; reported apart so that a plan can name them.
+        hlo_text: The optimized HLO text of the compiled step (which
+            collectives, inside which loop), `""` where the reader has none.
+        backend: `"tensorflow"` or `"jax"`.
+        devices: Devices the step was compiled for (JAX under a
+            `keras.distribution`; 1 on TensorFlow, whose compile is one
+            replica's); every byte count is one device's.
+    """
+
+    batch_size: int
+    argument_bytes: int
+    data_bytes: int
+    temp_bytes: int
+    live_out_bytes: int
+    alias_bytes: int
+    constant_bytes: int
+    weight_bytes: int
+    optimizer_bytes: int
+    module_name: str = ""
+    platform: str = "CPU"
+    features: tuple[str, ...] = ()
+    micro_batches: int = 1
+    accumulator_bytes: int = 0
+    hlo_text: str = dataclasses.field(default="", repr=False)
+    backend: str = "tensorflow"
+    devices: int = 1
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything the step holds at once: arguments, temporaries, results."""
+        return (
+            self.argument_bytes
+            + self.temp_bytes
+            + self.live_out_bytes
+            - self.alias_bytes
+            + self.constant_bytes
+        )
+
+    @property
+    def state_bytes(self) -> int:
+        """Arguments that are not the batch: weights, optimizer and metric state."""
+        return self.argument_bytes - self.data_bytes
+
+    def table(self) -> str:
+        fb = devices.format_bytes
+        rows = [
+            ("arguments", self.argument_bytes,
+             f"weights {fb(self.weight_bytes)}, optimizer {fb(self.optimizer_bytes)}, "
+             f"batch {fb(self.data_bytes)}, other state "
+             f"{fb(self.state_bytes - self.weight_bytes - self.optimizer_bytes)}"),
+            ("temporaries", self.temp_bytes,
+             "activations, gradients, workspace"
+             + (f"; incl. accumulators {fb(self.accumulator_bytes)} "
+                f"({self.micro_batches} micro-batches)" if self.accumulator_bytes else "")),
+            ("live-out", self.live_out_bytes,
+             f"{fb(self.alias_bytes)} of it aliases arguments (in-place updates)"),
+            ("constants", self.constant_bytes, ""),
+            ("total", self.total_bytes, "arguments + temporaries + live-out - aliased"),
+        ]
+        step = (f"the engine's step for {', '.join(self.features)}" if self.features
+                else "one train step")
+        # How the backend that compiled it names one compile's share ("per-replica").
+        per = backends.get(self.backend).compiled.TABLE_SCOPE
+        head = (f"XLA buffer assignment of {step}, {per} batch "
+                f"{self.batch_size} ({self.platform} compile)")
+        lines = [head]
+        for name, value, note in rows:
+            lines.append(f"  {name:<12}{fb(value):>12}  {note}".rstrip())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()

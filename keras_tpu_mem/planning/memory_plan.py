@@ -1,0 +1,287 @@
+"""What a plan says: `MemoryPlan` (a replica's budget, as a table) and `Recommendation`
+(the levers that make it fit, as callbacks for `fit`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+from keras_tpu_mem import devices
+from keras_tpu_mem.planning.budget import DeviceBudget
+
+
+def lever_callbacks(accumulation_steps: int, bf16: bool, rematerialize: bool) -> list:
+    """The feature callbacks that pull the plan's levers (none for `(1, False, False)`).
+
+    Example:
+
+    ```python
+    lever_callbacks(4, True, False)   # [GradientAccumulation(4), MixedBFloat16()]
+    ```
+    """
+    out = []
+    if accumulation_steps > 1:
+        from keras_tpu_mem.accumulation import GradientAccumulation
+
+        out.append(GradientAccumulation(accumulation_steps))
+    if bf16:
+        from keras_tpu_mem.precision import MixedBFloat16
+
+        out.append(MixedBFloat16())
+    if rematerialize:
+        from keras_tpu_mem.remat import Rematerialize
+
+        out.append(Rematerialize())
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """A configuration that fits: the levers to pull and its bytes per replica.
+
+    Attributes:
+        accumulation_steps: Micro-batches per update (1: no accumulation).
+        micro_batch: Examples per micro-batch.
+        total_bytes: The configuration's total per replica (compiled where
+            `compiled` is True, else the plan's estimate).
+        bf16: Whether it computes in bfloat16 (`ktm.MixedBFloat16`).
+        rematerialize: Whether layers' activations are recomputed in the
+            backward pass (`ktm.Rematerialize`).
+        compiled: Whether `total_bytes` comes from an XLA compile of the
+            engine's step for `callbacks()` (the search), not from scaling.
+    """
+
+    accumulation_steps: int
+    micro_batch: int
+    total_bytes: int
+    bf16: bool = False
+    rematerialize: bool = False
+    compiled: bool = False
+
+    def callbacks(self) -> list:
+        """The feature callbacks that realise this configuration, ready for `fit`.
+
+        Example:
+
+        ```python
+        p = ktm.plan(model, 4096, device="v3-8", search=True)
+        model.fit(ds, callbacks=p.recommendation.callbacks())
+        ```
+        """
+        return lever_callbacks(self.accumulation_steps, self.bf16, self.rematerialize)
+
+    def describe(self) -> str:
+        parts = []
+        if self.accumulation_steps > 1:
+            parts.append(f"GradientAccumulation({self.accumulation_steps}) "
+                         f"(micro-batch {self.micro_batch})")
+        if self.bf16:
+            parts.append("MixedBFloat16()")
+        if self.rematerialize:
+            parts.append("Rematerialize()")
+        return " + ".join(parts) or "as it is"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-replica memory budget of a training configuration.
+
+    All byte counts are per replica. `activation_bytes` are XLA's temporaries
+    of the train step at the micro-batch (activations kept for the backward
+    pass, the gradients XLA keeps live, workspace). `gradient_bytes` is one
+    full set of gradients, the most of them that can be live at once; XLA
+    computes them inside its temporaries (often fused into the update), so they
+    are reported but not added to the total a second time.
+    """
+
+    device: DeviceBudget
+    global_batch_size: int
+    per_replica_batch: int
+    accumulation_steps: int
+    micro_batch: int
+    precision: str
+    model_precision: str
+    headroom: float
+    weight_bytes: int
+    trainable_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    accumulator_bytes: int
+    activation_bytes: int
+    data_bytes: int
+    other_bytes: int
+    activations_per_sample: float
+    activations_fixed: float
+    compiled_batches: tuple[int, ...]
+    extrapolated: bool
+    recommendation: Recommendation | None
+    bf16_activation_bytes: int | None
+    bf16_total_bytes: int | None
+    bf16_recommendation: Recommendation | None
+    largest_batch: int = 0
+    bf16_largest_batch: int | None = None
+    notes: tuple[str, ...] = ()
+    #: Names of the feature callbacks whose engine step was compiled (`callbacks=`).
+    features: tuple[str, ...] = ()
+    #: Candidates the search compiled, cheapest first (`search=True`).
+    candidates: tuple = ()
+    #: Whether a recommendation was looked for (the estimate's accumulation
+    #: sweep, or `search=True`); False for `plan(..., callbacks=...)` alone.
+    searched: bool = True
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.device.capacity_bytes
+
+    @property
+    def usable_bytes(self) -> int:
+        """Capacity minus the headroom kept for what the plan does not model."""
+        return int(self.device.capacity_bytes * (1.0 - self.headroom))
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.weight_bytes + self.optimizer_bytes + self.accumulator_bytes
+                + self.activation_bytes + self.data_bytes + self.other_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.usable_bytes
+
+    @property
+    def bf16_fits(self) -> bool | None:
+        if self.bf16_total_bytes is None:
+            return None
+        return self.bf16_total_bytes <= self.usable_bytes
+
+    def table(self) -> str:
+        fb = devices.format_bytes
+        k = self.accumulation_steps
+        d = self.device
+        batch = (f"global batch {self.global_batch_size} = {d.replicas} replica(s) x "
+                 f"{self.per_replica_batch}")
+        if k > 1:
+            batch += f" = {k} micro-batches of {self.micro_batch}"
+        how = ("compiled at this batch" if not self.extrapolated else
+               f"extrapolated from XLA compiles at batches "
+               f"{', '.join(map(str, self.compiled_batches))}")
+        if self.features:
+            how = (f"the engine's step for {', '.join(self.features)}, "
+                   + ("compiled at this batch" if not self.extrapolated else
+                      "extrapolated per sample from its compiles at per-replica batches "
+                      + ", ".join(map(str, self.compiled_batches))))
+        elif self.precision != self.model_precision:
+            how += f"; {self.precision} estimated from the {self.model_precision} compiles"
+        lines = [
+            f"Memory plan on {d.name} ({fb(d.capacity_bytes)} per replica), {self.precision}",
+            f"  {batch}",
+            f"  {'weights':<24}{fb(self.weight_bytes):>12}",
+            f"  {'optimizer slots':<24}{fb(self.optimizer_bytes):>12}",
+            f"  {'gradient accumulators':<24}{fb(self.accumulator_bytes):>12}"
+            + ("" if k > 1 else "  (no accumulation)"),
+            f"  {'activations+workspace':<24}{fb(self.activation_bytes):>12}  "
+            f"XLA temporaries at batch {self.micro_batch}: "
+            f"{fb(self.activations_per_sample)}/sample + {fb(self.activations_fixed)} fixed "
+            f"({how})",
+            f"  {'  incl. gradients':<24}{fb(self.gradient_bytes):>12}  at most, "
+            "one per trainable weight",
+            f"  {'input batch':<24}{fb(self.data_bytes):>12}",
+            f"  {'other':<24}{fb(self.other_bytes):>12}  metric state, results, constants",
+            f"  {'total':<24}{fb(self.total_bytes):>12}  of {fb(self.usable_bytes)} usable "
+            f"({fb(d.capacity_bytes)} - {self.headroom:.0%} headroom)",
+            f"  fits: {'yes' if self.fits else 'NO'}; largest per-replica batch that fits "
+            f"without accumulation: {self.largest_batch}",
+        ]
+        rec = self.recommendation
+        if self.fits:
+            pass
+        elif rec is not None and rec.compiled:
+            lines.append(f"  -> fits with {rec.describe()}: {fb(rec.total_bytes)} compiled "
+                         "(callbacks: plan.recommendation.callbacks())")
+        elif rec is not None:
+            lines.append(
+                f"  -> fits with accumulation_steps={rec.accumulation_steps} "
+                f"(micro-batch {rec.micro_batch}): {fb(rec.total_bytes)}"
+            )
+        elif not self.searched:
+            lines.append("  -> not searched: plan(..., search=True) compiles accumulation "
+                         "and bf16 (on JAX also remat) candidates and recommends the "
+                         "cheapest that fits")
+        else:
+            lines.append("  -> does not fit even with one example per micro-batch")
+        if self.bf16_total_bytes is not None:
+            line = (f"  bf16 compute (mixed_bfloat16, estimate): activations "
+                    f"{fb(self.bf16_activation_bytes)}, total {fb(self.bf16_total_bytes)}, "
+                    f"fits: {'yes' if self.bf16_fits else 'no'}, largest per-replica batch "
+                    f"{self.bf16_largest_batch}")
+            brec = self.bf16_recommendation
+            if not self.bf16_fits and brec is not None:
+                line += (f"; with accumulation_steps={brec.accumulation_steps} "
+                         f"(micro-batch {brec.micro_batch}): {fb(brec.total_bytes)}")
+            lines.append(line)
+        if self.candidates:
+            lines.append(candidates_table(self.candidates, self.usable_bytes))
+        for note in self.notes:
+            lines.extend(textwrap.wrap(note, width=96, initial_indent="  note: ",
+                                       subsequent_indent="        "))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+NOT_MODELLED = (
+    "XLA's CPU compile is the reference: it does not apply TPU layout padding "
+    "(TPU tiles the two minor dimensions to multiples of 8 x 128 for float32, "
+    "16 x 128 for bfloat16, so small or odd feature sizes grow), the TPU compiler's "
+    "own fusion and scheduling, nor the runtime's reserved HBM and fragmentation; "
+    "the headroom covers these. Keep feature sizes multiples of 128."
+)
+
+
+def candidates_table(candidates, usable: int) -> str:
+    """The candidates a search compiled, as a table."""
+    fb = devices.format_bytes
+    lines = ["  search (compiled, cheapest first):",
+             f"    {'micro-batches':>13}  {'micro-batch':>11}  {'bf16':<4}  {'remat':<5}  "
+             f"{'total':>12}  fits"]
+    for c in candidates:
+        lines.append(
+            f"    {c.accumulation_steps:>13}  {c.micro_batch:>11}  "
+            f"{'yes' if c.bf16 else 'no':<4}  {'yes' if c.rematerialize else 'no':<5}  "
+            f"{fb(c.total_bytes):>12}  {'yes' if c.total_bytes <= usable else 'no'}")
+    return "\n".join(lines)
+
+
+def assemble(device: DeviceBudget, global_batch_size: int, per_replica: int,
+             accumulation_steps: int, reference, *, headroom: float, precision: str,
+             own_precision: str, trainable: int, accumulators: int, activation: int,
+             data: int, other: int, activations: tuple, batches, extrapolated: bool,
+             recommendation, largest: int, notes, bf16=(None, None, None, None),
+             **more) -> MemoryPlan:
+    """The one place a `MemoryPlan` is put together, by the estimate and by the compiles.
+
+    Args:
+        reference: The `CompiledMemory` the weights and optimizer slots are read from.
+        activations: `(bytes per sample, fixed bytes)` of the activation model.
+        notes: The plan's notes; what the plan does not model is added last.
+        bf16: The bfloat16 estimate's `(activation bytes, total bytes,
+            recommendation, largest batch)`; None where it was not made.
+        **more: The `MemoryPlan` fields only one of the two paths fills.
+    """
+    per_sample, fixed = activations
+    bf16_activation, bf16_total, bf16_recommendation, bf16_largest = bf16
+    return MemoryPlan(
+        device=device, global_batch_size=global_batch_size, per_replica_batch=per_replica,
+        accumulation_steps=accumulation_steps, micro_batch=per_replica // accumulation_steps,
+        precision=precision, model_precision=own_precision, headroom=float(headroom),
+        # The state: read from the reference compile; gradients as large as the
+        # trainable weights, at most.
+        weight_bytes=reference.weight_bytes, optimizer_bytes=reference.optimizer_bytes,
+        trainable_bytes=trainable, gradient_bytes=trainable, accumulator_bytes=accumulators,
+        activation_bytes=activation, data_bytes=data, other_bytes=other,
+        activations_per_sample=per_sample, activations_fixed=fixed,
+        compiled_batches=tuple(batches), extrapolated=extrapolated,
+        recommendation=recommendation, largest_batch=largest,
+        bf16_activation_bytes=bf16_activation, bf16_total_bytes=bf16_total,
+        bf16_recommendation=bf16_recommendation, bf16_largest_batch=bf16_largest,
+        notes=(*notes, NOT_MODELLED), **more)

@@ -1,0 +1,57 @@
+"""The out-of-memory explanation (planning/oom.py) on JAX: an injected RESOURCE_EXHAUSTED
+in a fit becomes `StepOutOfMemoryError` with the compiled breakdown."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from planning_models import wide_mlp
+
+from keras_tpu_mem.devices import format_bytes
+from keras_tpu_mem.engine import EngineCallback
+from keras_tpu_mem.planning import StepOutOfMemoryError, compiled_memory, set_oom_device
+
+MIB = 1024**2
+
+
+class InjectedOOM(EngineCallback):
+    """Raises JAX's RESOURCE_EXHAUSTED error while the step is traced, once."""
+
+    name = "injected_oom"
+    armed = True
+
+    def transform_loss(self, loss, ctx):
+        if InjectedOOM.armed:
+            InjectedOOM.armed = False  # the explanation's own compile traces it again
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB.")
+        return loss
+
+
+def test_out_of_memory_is_explained_with_the_compiled_breakdown():
+    model = wide_mlp(width=256, depth=4, inputs=256)
+    plain = compiled_memory(model, 2048, hlo_text=False)
+    budget = int(plain.total_bytes * 0.6)
+    x = np.zeros((2048, 256), "float32")
+    y = np.zeros((2048,), "int32")
+    InjectedOOM.armed = True
+    set_oom_device(f"{budget / MIB:.3f}MiB")
+    try:
+        with pytest.raises(StepOutOfMemoryError) as info:
+            model.fit(x, y, batch_size=2048, epochs=1, verbose=0, callbacks=[InjectedOOM()])
+    finally:
+        set_oom_device(None)
+    message = str(info.value)
+    # Keras' traceback filter re-raises `from None`: the original stays the context.
+    original = info.value.__cause__ or info.value.__context__
+    assert isinstance(original, jax.errors.JaxRuntimeError)
+    assert "global batch 2048" in message
+    assert format_bytes(info.value.plan.total_bytes) in message
+    assert "capacity" in message and format_bytes(info.value.plan.capacity_bytes) in message
+    rec = info.value.plan.recommendation
+    assert rec is not None and "GradientAccumulation(" in message
+    # The recommended callbacks, compiled for the same model right after the
+    # error (the failed fit's features are off it), fit the budget.
+    check = compiled_memory(model, 2048, callbacks=rec.callbacks(), hlo_text=False)
+    assert check.total_bytes <= budget
