@@ -2,7 +2,7 @@
 3.15.1, and against the source of Keras 3.12.0 (the lower bound in setup.cfg);
 `tests/test_compat_jax.py` calls each one by name.
 
-Only `engine/jax.py` (and the JAX tests and benchmark) import this module; it
+The JAX backend's modules (and the JAX tests and benchmarks) import this module; it
 imports JAX lazily so that importing it costs nothing on TensorFlow.
 """
 

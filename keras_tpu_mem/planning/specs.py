@@ -130,6 +130,17 @@ def _label_spec(output, loss, batch_size: int):
     return _make_spec([batch_size, *[int(d) for d in shape[1:]]], dtype)
 
 
+def _symbolic_or_explain(model, which: str, what: str, why: str, argument: str):
+    """`_symbolic(model, which)`, or a ValueError naming the argument that gives it."""
+    try:
+        return _symbolic(model, which)
+    except (AttributeError, ValueError) as err:
+        raise ValueError(
+            f"Cannot infer {what}: the model has no symbolic {which}{why}. Pass "
+            f"`{argument}=tf.TensorSpec((None, ...), dtype)`."
+        ) from err
+
+
 def _symbolic(model, which: str):
     """The model's symbolic inputs or outputs, in the structure `call` uses."""
     import keras
@@ -164,24 +175,13 @@ def infer_data_specs(model, batch_size: int, x_spec=None, y_spec=None):
     if x_spec is not None:
         xs = _map_specs(x_spec, batch_size, "x_spec")
     else:
-        try:
-            inputs = _symbolic(model, "inputs")
-        except (AttributeError, ValueError) as err:
-            raise ValueError(
-                "Cannot infer the input shape: the model has no symbolic inputs (a "
-                "subclassed model or a Sequential without keras.Input). Pass "
-                "`x_spec=tf.TensorSpec((None, ...), dtype)`."
-            ) from err
+        inputs = _symbolic_or_explain(
+            model, "inputs", "the input shape", " (a subclassed model or a Sequential "
+            "without keras.Input)", "x_spec")
         xs = _map_specs(inputs, batch_size, "x_spec")
     if y_spec is not None:
         return xs, _map_specs(y_spec, batch_size, "y_spec")
-    try:
-        outputs = _symbolic(model, "outputs")
-    except (AttributeError, ValueError) as err:
-        raise ValueError(
-            "Cannot infer the label shape: the model has no symbolic outputs. Pass "
-            "`y_spec=tf.TensorSpec((None, ...), dtype)`."
-        ) from err
+    outputs = _symbolic_or_explain(model, "outputs", "the label shape", "", "y_spec")
     import keras
 
     loss = getattr(model, "loss", None)
