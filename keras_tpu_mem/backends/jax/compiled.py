@@ -1,7 +1,7 @@
 """Compiling a step for its memory on JAX: `jax.jit(...).lower(...).compile()`, read
 through `memory_analysis()`.
 
-The step is the engine's own (`JaxStep.make_step(jit=False)`, the function
+The step is the engine's own (`backends.jax.trainer.Step.make_step(jit=False)`, the function
 `fit` jits) for the given features, or Keras' `model.train_step` without any,
 jitted as `fit` jits it (`donate_argnums=0`; under a `keras.distribution` the
 state's shardings as `out_shardings`), lowered on `jax.ShapeDtypeStruct`s that
@@ -172,7 +172,7 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
     batch = _batch_structs(distribution, xs, ys)
     out_shardings = None
     if distribution is not None:
-        # As `JaxStep.make_step` / Keras' `make_train_function`: the state comes
+        # As `Step.make_step` / Keras' `make_train_function`: the state comes
         # back with the shardings it went in with (read from the layouts here,
         # not from the variables' values, which a running fit has purged).
         out_shardings = (None, jax.tree_util.tree_map(lambda s: s.sharding, state))

@@ -197,7 +197,7 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
     """Compiles one train step with XLA and reads its buffer assignment.
 
     Without features this is Keras' own `train_step`. With features it is the
-    engine's per-replica step (`TensorFlowStep._replica_step`) with those
+    engine's per-replica step (`backends.tensorflow.trainer.Step._replica_step`) with those
     features installed, exactly what `fit` would run on each replica, traced
     with `jit_compile=True` as a TPU compiles it.
     """
