@@ -8,7 +8,7 @@ import keras
 import pytest
 from profiling_models import messages, random_data
 
-from keras_tpu_mem import devices
+from keras_tpu_mem import backends, devices
 from keras_tpu_mem.profiling import batch_size_sweep
 
 
@@ -93,7 +93,7 @@ def test_sweep_on_an_accelerator_marks_peaks_that_did_not_rise(monkeypatch):
         model.fit = fit
         return model
 
-    monkeypatch.setattr(devices, "jax_memory_stats", stats)
+    monkeypatch.setattr(backends.get("jax").devices, "memory_stats", stats)
     x, y = random_data(256)
     result = batch_size_sweep(build_fn, lambda b: (x, y), [8, 16, 32], steps=2, verbose=0)
     assert [r.memory_source for r in result.rows] == ["allocator"] * 3
