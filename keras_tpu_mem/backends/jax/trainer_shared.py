@@ -99,10 +99,12 @@ def multi_step_train_function(model, engine, step, default_count, on_error=None)
         given = state
         try:
             data = next(iterator)
-            # Keras >= 3.16 hands one call's steps over at once (a super batch).
+            # Keras >= 3.16 hands one call's steps over at once (a super batch). It
+            # stacks steps_per_execution batches even for an epoch's last call; that
+            # call runs only the steps left in the epoch (9 steps, N=4: 4, 4, 1).
             steps = jax_compat.super_batch_steps(model, data)
             if steps is not None:
-                for data in steps:
+                for data in steps[:count]:
                     logs, state = step(state, data)
                 return logs, state
             logs, state = step(state, data)
