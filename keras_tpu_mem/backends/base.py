@@ -33,10 +33,6 @@ class Backend:
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"
 
-    def offers(self, concern: str) -> bool:
-        """Whether this backend has a module for `concern`."""
-        return importlib.util.find_spec(f"{__package__}.{self.name}.{concern}") is not None
-
     def __getattr__(self, concern: str):
         if concern.startswith("_"):
             raise AttributeError(concern)
