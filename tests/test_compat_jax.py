@@ -125,6 +125,18 @@ def test_set_variable_value_keeps_the_sharding():
         jax_compat.set_variable_value(variable, np.zeros((2, 2), "float32"))
 
 
+def test_variable_value_object_changes_with_every_assignment():
+    variable = keras.Variable(np.zeros((2, 3), "float32"), trainable=False, name="t")
+    seen = jax_compat.variable_value_object(variable)
+    assert seen is jax_compat.variable_value_object(variable)
+    np.testing.assert_array_equal(np.asarray(seen), np.zeros((2, 3)))
+    variable.assign(np.ones((2, 3), "float32"))
+    assert jax_compat.variable_value_object(variable) is not seen
+    seen = jax_compat.variable_value_object(variable)
+    jax_compat.set_variable_value(variable, jnp.full((2, 3), 2.0))
+    assert jax_compat.variable_value_object(variable) is not seen
+
+
 def test_memory_analysis_reads_the_compiled_step_and_refuses_none():
     compiled = jax.jit(lambda a: (a @ a.T).sum()).lower(jnp.ones((64, 32))).compile()
     stats = jax_compat.memory_analysis(compiled)

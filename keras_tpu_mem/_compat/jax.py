@@ -222,6 +222,16 @@ def backends_initialized() -> bool:
 
 
 # ------------------------------------------------------- feature variables
+def variable_value_object(variable):
+    """The array object a Keras variable holds now, read without autocasting
+    (3.12-3.15: `KerasVariable._value`). Every assignment (`assign`,
+    `set_variable_value`) stores a new object, so comparing it by identity with
+    the one seen before tells whether the variable was written since: the engine
+    keeps the features' carried values between jitted calls and takes a value
+    from the variable only when something wrote it."""
+    return variable._value
+
+
 def set_variable_value(variable, value) -> None:
     """Sets a Keras variable's value to the array `value` as it is, keeping its
     sharding (3.12-3.15: `KerasVariable._value`; `assign` would lay the value
