@@ -9,6 +9,7 @@ imports JAX lazily so that importing it costs nothing on TensorFlow.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 
 # ---------------------------------------------------------------- shard_map
@@ -177,6 +178,18 @@ def distribute_data(data):
     return _distribute_data(data)
 
 
+@functools.cache
+def _partial_batch_list():
+    """Keras 3.16's `PartialBatchList` class, or None before it. Looked up once:
+    a failed import costs tens of microseconds, at every call of the train
+    function."""
+    try:
+        from keras.src.trainers.data_adapters.data_adapter_utils import PartialBatchList
+    except ImportError:
+        return None
+    return PartialBatchList
+
+
 def super_batch_steps(model, data) -> list | None:
     """The steps' batches in one train-function call's `data`, or None where `data`
     is one step's batch.
@@ -189,9 +202,8 @@ def super_batch_steps(model, data) -> list | None:
     `keras.src.trainers.data_adapters.data_adapter_utils.PartialBatchList` of
     the remaining batches.
     """
-    try:
-        from keras.src.trainers.data_adapters.data_adapter_utils import PartialBatchList
-    except ImportError:  # Keras <= 3.15: no super batches
+    PartialBatchList = _partial_batch_list()
+    if PartialBatchList is None:  # Keras <= 3.15: no super batches
         return None
     if isinstance(data, PartialBatchList):
         return list(data)
