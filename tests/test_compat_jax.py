@@ -78,6 +78,25 @@ def test_state_synced_and_set_state_synced():
     jax_compat.set_state_synced(model, flag)
 
 
+def test_state_sync_name_is_the_method_fit_and_callbacks_call():
+    """`state_sync_name`: Keras 3.16's `fit` and `Callback.model` call `state_sync`
+    (not the `jax_state_sync` alias), older ones `jax_state_sync`."""
+    model = _compiled()
+    name = jax_compat.state_sync_name(model)
+    assert name in ("state_sync", "jax_state_sync")
+    calls = []
+
+    class Reader(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model  # noqa: B018 - reading it syncs the model's state
+
+    original = getattr(type(model), name)
+    object.__setattr__(model, name, lambda: calls.append(1) or original(model))
+    x, y = toy_data(16)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Reader()])
+    assert len(calls) >= 2  # one per callback read, and fit's own at the epoch's end
+
+
 def test_jax_state():
     model = _compiled()
     state = jax_compat.jax_state(model)

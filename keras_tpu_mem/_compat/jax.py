@@ -244,6 +244,13 @@ def variable_value_object(variable):
     return variable._value
 
 
+def state_sync_name(model) -> str:
+    """The model method Keras' JAX `fit` and `Callback.model` call to write its
+    carried state back into the variables: `state_sync` from Keras 3.16
+    (`jax_state_sync` stays as an alias that calls it), `jax_state_sync` before."""
+    return "state_sync" if hasattr(type(model), "state_sync") else "jax_state_sync"
+
+
 def set_variable_value(variable, value) -> None:
     """Sets a Keras variable's value to the array `value` as it is, keeping its
     sharding (3.12-3.15: `KerasVariable._value`; `assign` would lay the value

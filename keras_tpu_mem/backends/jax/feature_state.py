@@ -4,9 +4,9 @@ carries its state.
 Keras' JAX `fit` keeps the model's state (weights, optimizer, metrics) out of
 the variables during an epoch: each train-function call takes the previous
 call's outputs, and the variables get them back only where something can read
-them (`model.jax_state_sync()`: at the end of each epoch, and whenever a
-callback reads its `model` property). The features' step variables (pruning
-masks, a distillation temperature) are carried the same way by
+them (`model.jax_state_sync()`; `model.state_sync()` from Keras 3.16): at the
+end of each epoch, and whenever a callback reads its `model` property. The
+features' step variables (pruning masks, a distillation temperature) are carried the same way by
 `CarriedFeatureState`: the last call's outputs go straight into the next call,
 and are written into the variables when Keras syncs its own state. A write to a
 feature variable between calls (a temperature schedule in
@@ -86,27 +86,30 @@ class CarriedFeatureState:
             self._seen[i] = jax_compat.variable_value_object(variable)
 
     def attach(self) -> CarriedFeatureState:
-        """Makes `model.jax_state_sync()` sync these values too, before Keras' own
-        state: it runs at every epoch's end, after `evaluate`/`predict`, and when
-        a callback reads its `model` (checkpoints, `BackupAndRestore`, the
-        pruning summaries). A state attached before (an earlier train function)
-        is synced first and replaced."""
+        """Makes the model's state sync (`jax_state_sync()`; `state_sync()` from
+        Keras 3.16) write these values too, before Keras' own state: it runs
+        at every epoch's end, after `evaluate`/`predict`, and when a callback
+        reads its `model` (checkpoints, `BackupAndRestore`, the pruning
+        summaries). A state attached before (an earlier train function) is
+        synced first and replaced."""
         model = self.model
-        previous = model.__dict__.get("jax_state_sync")
+        name = jax_compat.state_sync_name(model)
+        previous = model.__dict__.get(name)
         if isinstance(previous, _Sync):
             previous.state.sync()
         # object.__setattr__ keeps Keras' attribute tracking out of it.
-        object.__setattr__(model, "jax_state_sync", _Sync(self))
+        object.__setattr__(model, name, _Sync(self, name))
         return self
 
 
 class _Sync:
     """`model.jax_state_sync` with the features' carried values synced first."""
 
-    def __init__(self, state: CarriedFeatureState):
+    def __init__(self, state: CarriedFeatureState, name: str):
         self.state = state
+        self.name = name
 
     def __call__(self):
         self.state.sync()
         model = self.state.model
-        return type(model).jax_state_sync(model)
+        return getattr(type(model), self.name)(model)
