@@ -9,6 +9,7 @@ imports JAX lazily so that importing it costs nothing on TensorFlow.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 
 # ---------------------------------------------------------------- shard_map
@@ -177,6 +178,18 @@ def distribute_data(data):
     return _distribute_data(data)
 
 
+@functools.cache
+def _partial_batch_list():
+    """Keras 3.16's `PartialBatchList` class, or None before it. Looked up once:
+    a failed import costs tens of microseconds, at every call of the train
+    function."""
+    try:
+        from keras.src.trainers.data_adapters.data_adapter_utils import PartialBatchList
+    except ImportError:
+        return None
+    return PartialBatchList
+
+
 def super_batch_steps(model, data) -> list | None:
     """The steps' batches in one train-function call's `data`, or None where `data`
     is one step's batch.
@@ -189,9 +202,8 @@ def super_batch_steps(model, data) -> list | None:
     `keras.src.trainers.data_adapters.data_adapter_utils.PartialBatchList` of
     the remaining batches.
     """
-    try:
-        from keras.src.trainers.data_adapters.data_adapter_utils import PartialBatchList
-    except ImportError:  # Keras <= 3.15: no super batches
+    PartialBatchList = _partial_batch_list()
+    if PartialBatchList is None:  # Keras <= 3.15: no super batches
         return None
     if isinstance(data, PartialBatchList):
         return list(data)
@@ -222,6 +234,23 @@ def backends_initialized() -> bool:
 
 
 # ------------------------------------------------------- feature variables
+def variable_value_object(variable):
+    """The array object a Keras variable holds now, read without autocasting
+    (3.12-3.15: `KerasVariable._value`). Every assignment (`assign`,
+    `set_variable_value`) stores a new object, so comparing it by identity with
+    the one seen before tells whether the variable was written since: the engine
+    keeps the features' carried values between jitted calls and takes a value
+    from the variable only when something wrote it."""
+    return variable._value
+
+
+def state_sync_name(model) -> str:
+    """The model method Keras' JAX `fit` and `Callback.model` call to write its
+    carried state back into the variables: `state_sync` from Keras 3.16
+    (`jax_state_sync` stays as an alias that calls it), `jax_state_sync` before."""
+    return "state_sync" if hasattr(type(model), "state_sync") else "jax_state_sync"
+
+
 def set_variable_value(variable, value) -> None:
     """Sets a Keras variable's value to the array `value` as it is, keeping its
     sharding (3.12-3.15: `KerasVariable._value`; `assign` would lay the value

@@ -45,7 +45,9 @@ registration points (all optional, all methods of `Feature`):
   pruning masks, a temperature). On TensorFlow they are ordinary variables; on
   JAX the engine passes their values into the jitted step beside Keras' state
   (carried ones keep the sharding their value has, e.g. a mask its kernel's,
-  and are written back after every step, so `steps_per_execution > 1` holds)
+  and go from call to call as Keras' own state does, written into the
+  variables when Keras syncs its state; an assignment between calls reaches
+  the next step)
   and frozen ones (a teacher's weights) as inputs that are never returned.
 * **`explain_error(error) -> Exception | None`** – when the step fails, each
   feature may return a clearer exception to raise instead (chained to the

@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem.backends.jax.feature_state import CarriedFeatureState
 from keras_tpu_mem.backends.jax.trainer_pulled import PulledMicroBatchSteps
 from keras_tpu_mem.backends.jax.trainer_shared import PerDeviceState as _PerDeviceState
 from keras_tpu_mem.backends.jax.trainer_shared import leading_dim as _leading_dim
@@ -466,20 +467,20 @@ class Step(PulledMicroBatchSteps):
         engine = self.engine
         per_call = int(model.steps_per_execution)
         carried, frozen = self._feature_variables(self.features)
+        on_error = None
         if carried or frozen:
-            plain = step
+            # The features' values are carried from call to call beside Keras'
+            # state, and written into their variables when Keras syncs its own.
+            plain, features = step, CarriedFeatureState(model, carried, frozen).attach()
+            on_error = features.sync
 
             def step(state, data):
-                # Feature variables live beside Keras' state: read at every call
-                # (a callback may have set them between calls, e.g. a
-                # temperature schedule or the masks re-derived on resume) and
-                # written back after each step.
-                logs, state, values = plain(state, data, self.feature_state())
-                for variable, value in zip(carried, values):
-                    jax_compat.set_variable_value(variable, value)
+                logs, state, values = plain(state, data, features.inputs())
+                features.carry(values)
                 return logs, state
 
-        train_function = _multi_step_train_function(model, engine, step, per_call)
+        train_function = _multi_step_train_function(model, engine, step, per_call,
+                                                    on_error=on_error)
         train_function.jitted_step = self.jitted_step
         return train_function
 

@@ -27,6 +27,7 @@ import keras
 from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem.backends.jax.feature_state import CarriedFeatureState
 from keras_tpu_mem.backends.jax.trainer_shared import PerDeviceState as _PerDeviceState
 from keras_tpu_mem.backends.jax.trainer_shared import (
     multi_step_train_function as _multi_step_train_function,
@@ -198,12 +199,16 @@ class PulledMicroBatchSteps:
         # behind never leaks into the next one.
         held = {"accumulators": None, "position": 0}
 
+        # The features' values are carried beside Keras' state (see
+        # `CarriedFeatureState`), written into their variables when Keras syncs.
+        features = CarriedFeatureState(model, carried, frozen).attach() if (
+            carried or frozen) else None
+
         def run(apply, state, data):
-            if carried or frozen:
+            if features is not None:
                 logs, state, accumulators, values = steps[apply](
-                    state, held["accumulators"], data, self.feature_state())
-                for variable, value in zip(carried, values):
-                    jax_compat.set_variable_value(variable, value)
+                    state, held["accumulators"], data, features.inputs())
+                features.carry(values)
             else:
                 logs, state, accumulators = steps[apply](state, held["accumulators"], data)
             held["accumulators"] = accumulators
@@ -222,6 +227,8 @@ class PulledMicroBatchSteps:
 
         def forget_window():  # a failed step leaves no window to continue
             held["accumulators"], held["position"] = None, 0
+            if features is not None:
+                features.sync()
 
         train_function = _multi_step_train_function(model, engine, micro_step, spe,
                                                     on_error=forget_window)

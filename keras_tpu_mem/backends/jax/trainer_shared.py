@@ -125,7 +125,9 @@ def multi_step_train_function(model, engine, step, default_count, on_error=None)
                 raise clearer from error
             raise
         finally:
-            jax_compat.set_state_synced(model, synced)
+            # Only when changed: Keras tracks every attribute a model is given.
+            if jax_compat.state_synced(model) != synced:
+                jax_compat.set_state_synced(model, synced)
         return logs, state
 
     return train_function
