@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import RaiseAtEpoch, max_abs_diff, sparse_ce, toy_data
+from pruning_cases import check_a_schedule_that_never_pruned_warns_once
 
 from keras_tpu_mem import GradientAccumulation
 from keras_tpu_mem.pruning import (
@@ -543,3 +544,7 @@ def test_pruning_started_agrees_with_walking_every_step():
         pruning = Pruning(schedule)
         got = [pruning._pruning_started(int(s)) for s in steps.numpy()]
         np.testing.assert_array_equal(got, expected, err_msg=repr(schedule))
+
+
+def test_a_schedule_that_never_pruned_warns_once():
+    check_a_schedule_that_never_pruned_warns_once()

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 from helpers_jax import make_distribution, scope, sparse_ce
+from pruning_cases import check_a_schedule_that_never_pruned_warns_once
 
 from keras_tpu_mem import PolynomialDecay, Pruning, strip_pruning
 from keras_tpu_mem.pruning.schedules import ConstantSparsity
@@ -101,3 +102,7 @@ def test_two_by_four_and_strip_pruning(digits):
                                np.asarray(model.predict(probe, batch_size=64, verbose=0)),
                                atol=1e-5)
     assert jax.devices()  # 8 host devices from conftest
+
+
+def test_a_schedule_that_never_pruned_warns_once():
+    check_a_schedule_that_never_pruned_warns_once()

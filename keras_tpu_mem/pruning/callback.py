@@ -44,6 +44,7 @@ import importlib.util
 import math
 import numbers
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -64,11 +65,13 @@ from keras_tpu_mem.pruning.schedules import (
     ConstantSparsity,
     PolynomialDecay,
     check_schedule,
+    never_pruned_message,
     schedule_config,
     schedule_from_config,
 )
 from keras_tpu_mem.pruning.selection import (
     PrunableWeight,
+    check_pair,
     find_prunable_weights,
     normalise_selection,
     select_layers,
@@ -80,17 +83,6 @@ _POOLING_TYPES = ("AVG", "MAX")
 # (within end_step): the step tests below are simplified with that. Not a
 # user's PruningSchedule subclass, whose `__call__` may decide otherwise.
 _OWN_SCHEDULES = (ConstantSparsity, PolynomialDecay)
-
-
-def _check_pair(value, name, what):
-    try:
-        pair = tuple(value)
-    except TypeError:
-        raise TypeError(f"`{name}` must be a pair of ints ({what}), got {value!r}.") from None
-    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral)
-                             for v in pair):
-        raise TypeError(f"`{name}` must be a pair of ints ({what}), got {value!r}.")
-    return tuple(int(v) for v in pair)
 
 
 class Pruning(EngineCallback):
@@ -166,7 +158,7 @@ class Pruning(EngineCallback):
         super().__init__()
         self.schedule = check_schedule(schedule)
         self.layers = normalise_selection(layers)
-        self.block_size = _check_pair(block_size, "block_size", "block height, width")
+        self.block_size = check_pair(block_size, "block_size", "block height, width")
         if min(self.block_size) < 1:
             raise ValueError(f"`block_size` values must be >= 1, got {self.block_size}.")
         if not isinstance(block_pooling_type, str) or (
@@ -178,7 +170,7 @@ class Pruning(EngineCallback):
         self.block_pooling_type = block_pooling_type.upper()
         self.m_by_n = None
         if m_by_n is not None:
-            m, n = _check_pair(m_by_n, "m_by_n", "m zeros in every n weights")
+            m, n = check_pair(m_by_n, "m_by_n", "m zeros in every n weights")
             if m < 1 or n < 1 or m >= n:
                 raise ValueError(
                     f"`m_by_n` must be (m, n) with 0 < m < n (m zeros in every n weights, "
@@ -217,6 +209,7 @@ class Pruning(EngineCallback):
         self._deferred = False
         self._started_fn = None  # the backend's search for the first pruning step
         self._announced = False
+        self._first_step = 0  # optimizer.iterations when the fit began
 
     # ------------------------------------------------------------ config
     def get_config(self):
@@ -356,6 +349,16 @@ class Pruning(EngineCallback):
             # weights and the optimizer in its on_train_begin.
             self._needs_sync = False
             self._sync_masks()
+
+    def on_train_begin(self, logs=None):
+        self._first_step = int(np.asarray(self.model.optimizer.iterations.value))
+
+    def on_train_end(self, logs=None):
+        step = int(np.asarray(self.model.optimizer.iterations.value))
+        if self._weights and not self._pruning_started(step):  # silent no more
+            warnings.warn(never_pruned_message(self.schedule, step - self._first_step, step,
+                                               self._pruning_started), stacklevel=2)
+        super().on_train_end(logs)
 
     def on_epoch_end(self, epoch, logs=None):
         if self._writer is not None and self._weights:

@@ -315,6 +315,31 @@ def check_schedule(schedule):
     return schedule
 
 
+def never_pruned_message(schedule, updates: int, step: int, started) -> str:
+    """What a fit that never reached a pruning step says (nothing was pruned).
+
+    Args:
+        schedule: The fit's schedule; its first pruning step is named when it
+            has tfmot's `begin_step` and `frequency` (pruning steps are
+            `begin_step + j * frequency`, counted in optimizer updates from 1).
+        updates: The optimizer updates the fit made.
+        step: `optimizer.iterations` at the fit's end.
+        started: `started(s)` says whether the schedule pruned at some step in [1, s].
+    """
+    begin = getattr(schedule, "begin_step", None)
+    frequency = getattr(schedule, "frequency", None)
+    first = None
+    if isinstance(begin, numbers.Integral) and isinstance(frequency, numbers.Integral):
+        turn = int(begin) if begin >= 1 else int(frequency)  # the first turn >= 1
+        # A turn at zero sparsity (PolynomialDecay from 0) prunes nothing; the next does.
+        first = next((s for s in (turn, turn + int(frequency)) if started(s)), None)
+    where = (f"the schedule's first pruning step is {first}" if first is not None else
+             "the schedule has no pruning step at or before it")
+    return (f"Pruning: nothing was pruned. The fit made {updates} optimizer updates "
+            f"(optimizer.iterations ended at {step}) and {where}. Pruning steps are "
+            "begin_step + j * frequency: lower `begin_step` or `frequency`, or fit longer.")
+
+
 def _is_tfmot(schedule) -> bool:
     """Whether `schedule` comes from tensorflow_model_optimization (never imported here)."""
     return type(schedule).__module__.split(".")[0] == "tensorflow_model_optimization"

@@ -8,6 +8,7 @@ biases or normalisation weights. Each comes with the axis N:M groups run along.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,6 +30,18 @@ class PrunableWeight:
     @property
     def path(self) -> str:
         return getattr(self.variable, "path", None) or f"{self.layer.name}/{self.variable.name}"
+
+
+def check_pair(value, name, what):
+    """`value` as a pair of ints, or a TypeError naming `name` and `what` it means."""
+    try:
+        pair = tuple(value)
+    except TypeError:
+        raise TypeError(f"`{name}` must be a pair of ints ({what}), got {value!r}.") from None
+    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, numbers.Integral)
+                             for v in pair):
+        raise TypeError(f"`{name}` must be a pair of ints ({what}), got {value!r}.")
+    return tuple(int(v) for v in pair)
 
 
 def _einsum_input_axis(layer) -> int:
