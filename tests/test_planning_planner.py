@@ -81,6 +81,9 @@ def test_plan_reads_capacity_from_the_hbm_table(mlp):
     assert v5e.capacity_bytes == 16 * 1000**3 and v5e.device.replicas == 16
     text = str(v3)
     assert "v3-8" in text and "fits: yes" in text and "layout padding" in text
+    by_count = plan(mlp, 64, device="3145728B")  # a byte count (issue 22)
+    assert by_count.capacity_bytes == 3 * 1024**2 and by_count.device.replicas == 1
+    assert plan(mlp, 64, device="3072KiB").capacity_bytes == 3 * 1024**2
 
 
 def test_bf16_estimate_halves_the_per_sample_part(mlp):

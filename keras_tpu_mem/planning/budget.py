@@ -11,9 +11,10 @@ _BF16_NAMES = {"bf16", "bfloat16", "mixed_bfloat16"}
 _F32_NAMES = {"float32", "f32", "fp32"}
 
 _DEVICE_SIZE_RE = re.compile(
-    r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB)\s*(?:[-x*]\s*(\d+))?\s*$", re.IGNORECASE
+    r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB|KiB|KB|B)\s*(?:[-x*]\s*(\d+))?\s*$", re.IGNORECASE
 )
-_UNITS = {"gib": devices.GIB, "gb": devices.GB, "mib": 1024**2, "mb": 1000**2}
+_UNITS = {"gib": devices.GIB, "gb": devices.GB, "mib": 1024**2, "mb": 1000**2,
+          "kib": 1024, "kb": 1000, "b": 1}
 
 # --------------------------------------------------------------------------
 # plan
@@ -33,7 +34,8 @@ def resolve_device(device) -> DeviceBudget:
 
     Accepts a TPU accelerator type (`"v3-8"`, `"v5litepod-16"`, `"v4-32"`: HBM
     per replica from `HBM_TABLE`), a memory size for other devices (`"12GiB"`
-    for one device, `"16GB-4"` or `"16GB x4"` for four), or a `DeviceBudget`.
+    for one device, `"16GB-4"` or `"16GB x4"` for four; units GiB, GB, MiB, MB,
+    KiB, KB, or B for a byte count such as `"3145728B"`), or a `DeviceBudget`.
 
     Raises:
         ValueError / TypeError naming the accepted forms.
@@ -60,7 +62,8 @@ def resolve_device(device) -> DeviceBudget:
         raise ValueError(
             f"Unknown `device` {device!r}: pass a TPU type such as 'v3-8', 'v4-32', "
             "'v5litepod-16' (known generations: " + ", ".join(sorted(devices.HBM_TABLE))
-            + "), or a memory size such as '12GiB' (one device) or '16GB-4' (four)."
+            + "), or a memory size such as '12GiB' (one device), '16GB-4' (four) or a byte count "
+            "such as '3145728B'."
         ) from err
     return DeviceBudget(device.strip(), spec.hbm_bytes_per_replica, replicas, spec.source)
 

@@ -21,7 +21,12 @@ from keras_tpu_mem.planning.budget import (
     resolve_device,
 )
 from keras_tpu_mem.planning.compiled import Compiler, check_callbacks
-from keras_tpu_mem.planning.memory_plan import MemoryPlan, Recommendation, assemble
+from keras_tpu_mem.planning.memory_plan import (
+    MemoryPlan,
+    Recommendation,
+    assemble,
+    lever_callbacks,
+)
 from keras_tpu_mem.planning.search import MAX_COMPILE_BATCH, compiled_plan
 from keras_tpu_mem.planning.specs import _spec_bytes, _unique, _variable_bytes
 
@@ -192,6 +197,12 @@ def plan(
     if not isinstance(search, bool):
         raise TypeError(f"`search` must be True or False, got {search!r}.")
     check_positive_int(max_compile_batch, "max_compile_batch")
+    if callbacks is None and not search and not backends.current("plan").compiled.ESTIMATES:
+        # No estimate here (JAX compiles are cheap, and its small-batch compiles
+        # do not extrapolate): the step is compiled at the plan's batch, with the
+        # levers the arguments name.
+        callbacks = _levers_for(model, accumulation_steps, precision, compile_batches)
+        accumulation_steps = precision = None
     if callbacks is not None or search:
         return _plan_on_compiles(model, global_batch_size, device, callbacks, search,
                                  accumulation_steps, precision, headroom, compile_batches,
@@ -209,7 +220,6 @@ def plan(
         )
     micro = per_replica // k
 
-    backends.current("plan").compiled.check_estimate("plan")
     compiler = Compiler(model, x_spec, y_spec, what="plan")
     if compile_batches is not None:
         batches = sorted(set(compile_batches))
@@ -280,6 +290,23 @@ def plan(
                     extrapolated=micro not in batches, recommendation=recommendation,
                     largest=largest, notes=notes,
                     bf16=(bf16_act, bf16_total, bf16_rec, bf16_largest))
+
+
+def _levers_for(model, accumulation_steps, precision, compile_batches) -> list:
+    """The callbacks that realise an estimate's arguments, for a compiled plan."""
+    if compile_batches is not None:
+        raise ValueError(
+            "plan: `compile_batches` picks the batches the TensorFlow estimate extrapolates "
+            f"from; on {backends.current('plan').label} the plan compiles the step at its "
+            "own batch: leave `compile_batches` out.")
+    own = model_precision(model)
+    wanted = _normalise_precision(precision) or own
+    if wanted != own and wanted != "mixed_bfloat16":
+        raise ValueError(
+            f"plan: `precision`={precision!r} for a model that computes in {own}: on "
+            f"{backends.current('plan').label} the plan compiles the model as it is built; "
+            "build it in float32 to plan float32.")
+    return lever_callbacks(accumulation_steps or 1, wanted != own, False)
 
 
 def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accumulation_steps,

@@ -24,12 +24,14 @@ import keras
 import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem.backends.require import require_tensorflow_backend
 
 UNIT = "device"
 TABLE_SCOPE = "per device"
 # Whole layers can be recomputed on JAX (`Rematerialize(mode="layers")`).
 REMATERIALIZE_LEVER = True
+# `plan` without callbacks compiles the step at the plan's batch: JAX compiles
+# are cheap, and small-batch compiles of its step do not extrapolate linearly.
+ESTIMATES = False
 PULLED_STEP = ("is not an engine step on JAX; plan GradientAccumulation(steps) "
                "(dataset_yields='global_batches') at the batch of one update.")
 
@@ -70,12 +72,6 @@ def _mesh_devices(distribution) -> list:
 def capacity_device():
     """The first device that holds the batch."""
     return _mesh_devices(_distribution())[0]
-
-
-def check_estimate(what: str) -> None:
-    """The estimate (`plan` without callbacks) is built on TensorFlow's per-replica
-    compiles; on JAX `plan` takes `callbacks=` or `search=True`."""
-    require_tensorflow_backend(what)
 
 
 def check_context(what: str) -> None:

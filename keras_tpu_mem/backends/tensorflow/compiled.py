@@ -16,8 +16,9 @@ Contract (same in `backends/jax/compiled.py`; `keras_tpu_mem.planning` reads it)
 * `replicas(model)`: replicas the global batch of `model`'s fit splits over.
 * `capacity_device()`: the device whose capacity an OOM is planned against
   (None: the runtime does not say).
-* `check_estimate(what)` / `check_context(what)`: raise where the plan's
-  estimate, or a compile here and now, is not possible.
+* `ESTIMATES`: whether `plan` without callbacks extrapolates from compiles at
+  small batches (True) or compiles the step at its batch (False).
+* `check_context(what)`: raises where a compile here and now is not possible.
 * `compile_shards()`: data-parallel shards one compile's batch spans.
 * `distributed_strategy(model)` / `host_copy(model)`: the strategy whose
   variables a host compile cannot take (None: none), and a copy without it.
@@ -46,6 +47,9 @@ TABLE_SCOPE = "per-replica"
 # crash in fit, keras-team/keras#21207), which XLA mostly fuses already: not a
 # lever worth a compile per candidate.
 REMATERIALIZE_LEVER = False
+# `plan` without callbacks: compiles at small per-replica batches, extrapolated
+# (each TensorFlow compile of a large batch takes seconds to minutes).
+ESTIMATES = True
 PULLED_STEP = ("compiles a different step per window position; plan "
                "GradientAccumulation(steps) (dataset_yields='global_batches') at the "
                "per-replica batch of one update instead: its memory is the same "
@@ -69,10 +73,6 @@ def replicas(model) -> int:
 def capacity_device():
     """None: TensorFlow's runtime says the capacity only in the error's text."""
     return None
-
-
-def check_estimate(what: str) -> None:
-    """The estimate (`plan` without callbacks) is built on TensorFlow compiles: always here."""
 
 
 def check_context(what: str) -> None:
