@@ -145,7 +145,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(plan(model, args.global_batch, device=args.device,
                accumulation_steps=args.accumulation_steps, precision=args.precision,
                headroom=args.headroom, compile_batches=args.compile_batches,
-               progress=progress))
+               search=args.search, progress=progress))
     return 0
 
 
@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fraction of memory kept free (default: 0.10)")
     plan.add_argument("--compile-batches", type=_batch_list, default=None,
                       help="comma-separated batches to compile, e.g. 1,2 (default: 32,64)")
+    plan.add_argument("--search", action="store_true",
+                      help="also search the levers (accumulation, bf16, rematerialisation), "
+                           "compiling each candidate; recommends the cheapest that fits")
     plan.set_defaults(func=_plan)
     return parser
 

@@ -167,6 +167,18 @@ def test_cli_plan_prints_the_plan(tmp_path, capsys):
     assert "Memory plan on v3-8" in out and "2 micro-batches of 32" in out and "fits" in out
 
 
+def test_cli_plan_search_recommends_what_fits(tmp_path, capsys):
+    path = tmp_path / "factory.py"
+    path.write_text(FACTORY)
+    roomy = cli.main(["plan", "--model", f"{path}:build", "--global-batch", "512",
+                      "--device", "16GiB", "--search"])
+    out = capsys.readouterr().out
+    assert roomy == 0 and "fits: yes" in out and "search (compiled" in out
+    assert cli.main(["plan", "--model", f"{path}:build", "--global-batch", "512",
+                     "--search", "--accumulation-steps", "2"]) == 2
+    assert "accumulation_steps" in capsys.readouterr().err
+
+
 def test_cli_plan_errors_are_messages(tmp_path, capsys):
     path = tmp_path / "factory.py"
     path.write_text(FACTORY)

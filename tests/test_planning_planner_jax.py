@@ -43,3 +43,25 @@ def test_accumulation_and_precision_arguments_are_the_features(model):
 def test_bad_arguments_name_what_is_accepted(model, kwargs, words):
     with pytest.raises(ValueError, match=words):
         plan(model, 1024, device="v5e-1", **kwargs)
+
+
+def test_cli_plan_on_jax_with_and_without_search(tmp_path, capsys):
+    """The command line on JAX (issue 22: it was tested on TensorFlow only)."""
+    from keras_tpu_mem import cli
+
+    path = tmp_path / "factory.py"
+    path.write_text("import keras\n\n"
+                    "def build():\n"
+                    "    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32),\n"
+                    "                              keras.layers.Dense(10)])\n"
+                    "    model.compile(optimizer='adam',\n"
+                    "                  loss='sparse_categorical_crossentropy')\n"
+                    "    return model\n")
+    assert cli.main(["plan", "--model", f"{path}:build", "--global-batch", "512",
+                     "--device", "v5e-1"]) == 0
+    out = capsys.readouterr().out
+    assert "Memory plan on v5e-1" in out and "fits: yes" in out
+    assert cli.main(["plan", "--model", f"{path}:build", "--global-batch", "512",
+                     "--device", "3145728B", "--search"]) == 0
+    out = capsys.readouterr().out
+    assert "search (compiled" in out
