@@ -46,7 +46,7 @@ def reshard(model, distribution):
 
     Args:
         model: A `keras.Model` (built or not, compiled or not).
-        distribution: A `keras.distribution.Distribution`, e.g. a
+        distribution: A `keras.distribution` distribution, e.g. a
             `ShardedDataParallel` or Keras' `DataParallel`.
 
     Returns:
@@ -75,7 +75,9 @@ def reshard(model, distribution):
     concern.check_available("reshard")
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    if not isinstance(distribution, keras.distribution.Distribution):
+    # Keras exports no base class of its distributions: what reshard uses.
+    if not all(hasattr(distribution, name)
+               for name in ("get_variable_layout", "scope", "device_mesh")):
         raise TypeError("`distribution` must be a keras.distribution.Distribution (e.g. "
                         "ShardedDataParallel or DataParallel), got "
                         f"{type(distribution).__name__}.")
