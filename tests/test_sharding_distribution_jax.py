@@ -52,6 +52,11 @@ def test_layouts_follow_the_rule_and_the_axis():
                      "dense_mid/kernel": ("batch", None), "dense_mid/bias": ("batch",),
                      "dense_out/kernel": ("batch", None), "dense_out/bias": (None,)}
     assert distribution.get_data_layout((32, 16)).axes == ("batch", None)
+    # The layout says the same as the value (what a traced step asks, without values).
+    for variable in model.weights:
+        assert (sharded_dim(variable, distribution=distribution)
+                == sharded_dim(variable)), variable.path
+    assert sharded_dim(model.layers[0].kernel, "model") is None
 
 
 def test_min_shard_bytes_keeps_small_variables_replicated():

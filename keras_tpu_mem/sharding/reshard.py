@@ -60,8 +60,10 @@ def reshard(model, distribution):
 
     ```python
     import keras
+    import numpy as np
     from keras_tpu_mem.sharding import ShardedDataParallel, reshard
 
+    x, y = np.ones((256, 64), "float32"), np.ones((256, 64), "float32")
     with keras.distribution.DataParallel().scope():
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64)])
         model.compile(optimizer="adam", loss="mse")

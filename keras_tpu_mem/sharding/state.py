@@ -6,16 +6,21 @@ from __future__ import annotations
 from keras_tpu_mem import backends
 
 
-def sharded_dim(variable, axis_name: str = "batch") -> int | None:
-    """The dimension of `variable` whose value is split over the mesh axis
-    `axis_name`, or None (whole along that axis: replicated over it).
+def sharded_dim(variable, axis_name: str = "batch", *, distribution=None) -> int | None:
+    """The dimension of `variable` split over the mesh axis `axis_name`, or None
+    (whole along that axis: replicated over it).
 
-    Read from the value's sharding (`variable.value.sharding.spec`), so it
-    says where the state really lies, not what a layout asks for.
+    Without `distribution`, read from the value's sharding
+    (`variable.value.sharding.spec`): where the state really lies. With one,
+    read from the layout it gives the variable
+    (`distribution.get_variable_layout(variable).axes`; a variable laid out
+    by `ShardedDataParallel` or `reshard` keeps its layout), which needs no
+    value: what a step being traced, whose variables hold no values, asks.
 
     Args:
         variable: A `keras.Variable`.
         axis_name: The mesh axis (a `ShardedDataParallel`'s `axis_name`).
+        distribution: Optional `keras.distribution` to ask instead of the value.
 
     Example:
 
@@ -25,7 +30,13 @@ def sharded_dim(variable, axis_name: str = "batch") -> int | None:
     sharded_dim(model.layers[0].kernel)     # 1 for a (512, 1024) kernel on 8 devices
     ```
     """
-    axes = backends.current("sharded_dim").sharding.sharded_axes(variable)
+    if distribution is not None:
+        layout = distribution.get_variable_layout(variable)
+        axes = getattr(layout, "axes", None)
+        if axes is None:  # a backend sharding: its spec
+            axes = tuple(getattr(layout, "spec", None) or ())
+    else:
+        axes = backends.current("sharded_dim").sharding.sharded_axes(variable)
     for dim, axis in enumerate(axes or ()):
         names = axis if isinstance(axis, tuple) else (axis,)
         if axis_name in names:
