@@ -11,11 +11,12 @@ Optimizer slots: Keras creates them with their weight's layout and never asks
 the distribution (only `iteration` and `learning_rate` go through
 `get_variable_layout`). The distribution therefore notes the optimizer that
 creates its `iteration` under it (the caller of the Keras name scope the
-variable is created in) and wraps that optimizer's `build`, so that right
-after the slots exist they are moved to their own layout
-(`lay_out_optimizer`): with `shard="optimizer"` split although their weight
-is replicated. `fit` builds the optimizer before it compiles the step, so the
-step takes the slots as laid out.
+variable is created in) and wraps that optimizer's `build`
+(`watch_optimizer`), so that the slots are created in their own layout
+(with `shard="optimizer"` split although their weight is replicated) and
+every optimizer variable is laid out after it (`lay_out_optimizer`). `fit`
+builds the optimizer before it compiles the step, so the step takes the
+slots as laid out.
 """
 
 from __future__ import annotations
@@ -280,17 +281,35 @@ def reference_weight(slot, weights):
 
 
 def watch_optimizer(optimizer) -> None:
-    """Wraps `optimizer.build` (once) so that, right after it creates the slots, the
-    active distribution lays them out if it is a `ShardedDataParallel`."""
+    """Wraps `optimizer.build` (once) so that, when the active distribution is a
+    `ShardedDataParallel`, the slots are created in their own layout and every
+    optimizer variable is laid out after it.
+
+    Keras gives a slot its weight's layout (`add_variable_from_reference`), so
+    while `build` runs each weight carries the layout its slots should have;
+    the weights' own layouts are put back right after (no weight value moves:
+    nothing assigns a weight during `build`). So the slots are never whole on
+    a device, not even while they are created.
+    """
     if optimizer in _WATCHED:
         return
     build = optimizer.build
 
     def build_and_lay_out(variables, *args, **kwargs):
-        result = build(variables, *args, **kwargs)
         distribution = keras.distribution.distribution()
-        if isinstance(distribution, ShardedDataParallel):
-            distribution.lay_out_optimizer(optimizer, variables)
+        if not isinstance(distribution, ShardedDataParallel):
+            return build(variables, *args, **kwargs)
+        weights = list(variables)
+        own = [keras_compat.variable_layout(w) for w in weights]
+        for weight in weights:
+            keras_compat.set_variable_layout(weight, distribution.layout_for(
+                weight, optimizer_state=True))
+        try:
+            result = build(variables, *args, **kwargs)
+        finally:
+            for weight, layout in zip(weights, own):
+                keras_compat.set_variable_layout(weight, layout)
+        distribution.lay_out_optimizer(optimizer, weights)
         return result
 
     optimizer.build = build_and_lay_out

@@ -41,7 +41,12 @@ def move(variable, layout) -> None:
     value = variable.value
     sharding = _sharding(layout)
     if getattr(value, "sharding", None) != sharding:
-        value = jax.device_put(value, sharding)
+        if getattr(value, "is_fully_addressable", True):
+            value = jax.device_put(value, sharding)
+        else:
+            # Several processes: each holds only its shards; a jitted identity
+            # reshards the global array (every process runs it).
+            value = jax.jit(lambda a: a, out_shardings=sharding)(value)
     variable.assign(value)
 
 
