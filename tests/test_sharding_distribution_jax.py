@@ -150,6 +150,8 @@ def test_layout_map_on_a_2x4_mesh_matches_data_parallel(reference):
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*dense_in/kernel"] = (None, "model")
     layout_map[".*dense_in/bias"] = ("model",)
+    # keras-hub's layout maps (e.g. GemmaBackbone.get_layout_map) name both axes.
+    layout_map[".*dense_mid/kernel"] = ("model", "batch")
     model = fit(ShardedDataParallel(layout_map=layout_map), init=init)
     assert max_diff(model, expected) <= 1e-5
     kernel, bias = model.layers[0].kernel, model.layers[0].bias
@@ -157,7 +159,11 @@ def test_layout_map_on_a_2x4_mesh_matches_data_parallel(reference):
     assert tuple(kernel.value.sharding.spec) == ("batch", "model")
     assert tuple(bias.value.sharding.spec) == ("model",)   # 64 / 4 = 16 rows: 2 divides, but
     # the rule's one dimension is taken by the user; nothing left to split.
-    assert tuple(model.layers[1].kernel.value.sharding.spec) == ("batch", None)
+    # A rule that already names the data axis is kept as it is.
+    assert tuple(model.layers[1].kernel.value.sharding.spec) == ("model", "batch")
+    # Variables no rule matches follow the rule alone, over the data axis (2 devices).
+    assert tuple(model.layers[2].kernel.value.sharding.spec) == ("batch", None)
+    assert tuple(model.layers[2].bias.value.sharding.spec) == ("batch",)
     momentum = [s for s in _slots(model) if "dense_in_kernel" in s.name][0]
     assert tuple(momentum.value.sharding.spec) == ("batch", "model")
 
