@@ -45,6 +45,10 @@ def test_layouts_follow_the_rule_and_the_axis():
     assert repr(distribution) == ("ShardedDataParallel(shard='all', axis_name='batch', "
                                   "min_shard_bytes=0, mesh=(8,) ('batch',))")
     assert isinstance(distribution, keras.distribution.ModelParallel)
+    # Devices, not the names `list_devices()` gives (the monitors read them).
+    import jax
+
+    assert list(distribution.device_mesh.devices.flat) == jax.devices()
     with distribution.scope():
         model = small_model()
     specs = {v.path.split("/", 1)[1]: tuple(v.value.sharding.spec) for v in model.weights}

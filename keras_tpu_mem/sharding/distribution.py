@@ -111,7 +111,8 @@ class ShardedDataParallel(keras.distribution.ModelParallel):
 
     def __init__(self, devices=None, *, shard="all", layout_map=None, axis_name="batch",
                  min_shard_bytes=0, auto_shard_dataset=True):
-        backends.current(_WHAT).sharding.check_available(_WHAT)
+        concern = backends.current(_WHAT).sharding
+        concern.check_available(_WHAT)
         check_shard(shard)
         check_min_shard_bytes(min_shard_bytes)
         if not isinstance(axis_name, str) or not axis_name:
@@ -130,9 +131,11 @@ class ShardedDataParallel(keras.distribution.ModelParallel):
                                  f"`layout_map`'s mesh, whose axes are {names}.")
         else:
             devices = keras.distribution.list_devices() if devices is None else devices
-            devices = np.asarray(devices, dtype=object).reshape(-1)
-            if devices.size == 0:
+            if np.asarray(devices, dtype=object).size == 0:
                 raise ValueError("`devices` must list at least one device, got none.")
+            # Device objects, not the names `list_devices()` gives: code that
+            # reads the mesh's devices (monitors, the compiled step) needs them.
+            devices = np.asarray(concern.resolve_devices(devices), dtype=object)
             mesh = keras.distribution.DeviceMesh((devices.size,), (axis_name,), devices)
             layout_map = keras.distribution.LayoutMap(mesh)
         super().__init__(layout_map=layout_map, batch_dim_name=axis_name,

@@ -8,8 +8,8 @@ one is: give it the new layout, then assign its value laid out that way
 kept; only where they lie changes.
 
 Contract (`backends/tensorflow/sharding.py` raises for each, naming JAX):
-`check_available(what)`, `move(variable, layout)`, `sharded_axes(variable)`,
-`device_bytes(variable)`.
+`check_available(what)`, `resolve_devices(devices)`, `move(variable, layout)`,
+`sharded_axes(variable)`, `device_bytes(variable)`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,20 @@ import jax
 import keras
 import numpy as np
 
+from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
 
 
 def check_available(what: str) -> None:
     """Sharded state runs on JAX: nothing to refuse here."""
+
+
+def resolve_devices(devices) -> list:
+    """`jax.Device`s for Keras device names (`"cpu:0"`, as `list_devices()` gives
+    them) or devices, in order (through the mesh Keras would build of them)."""
+    devices = np.asarray(devices, dtype=object).reshape(-1)
+    mesh = keras.distribution.DeviceMesh((devices.size,), ("devices",), devices)
+    return list(np.asarray(jax_compat.backend_mesh(mesh).devices).flat)
 
 
 def _sharding(layout):
@@ -73,4 +82,4 @@ def device_bytes(variable) -> int:
     return int(math.prod(shape)) * itemsize
 
 
-__all__ = ["check_available", "device_bytes", "move", "sharded_axes"]
+__all__ = ["check_available", "device_bytes", "move", "resolve_devices", "sharded_axes"]

@@ -24,6 +24,10 @@ def check_available(what: str) -> None:
         "MirroredStrategy), which keeps a whole copy of the state on every replica.")
 
 
+def resolve_devices(devices) -> list:
+    check_available("ShardedDataParallel")
+
+
 def move(variable, layout) -> None:
     check_available("Moving a variable to a sharded layout")
 
@@ -36,4 +40,4 @@ def device_bytes(variable) -> int:
     check_available("Reading a variable's per-device bytes")
 
 
-__all__ = ["check_available", "device_bytes", "move", "sharded_axes"]
+__all__ = ["check_available", "device_bytes", "move", "resolve_devices", "sharded_axes"]
