@@ -250,7 +250,8 @@ class ShardedDataParallel(keras.distribution.ModelParallel):
         self._pending.clear()
 
     def get_config(self) -> dict:
-        """The arguments that rebuild this distribution (devices by mesh)."""
+        """The arguments, with the mesh's shape and axes for the devices and the
+        number of `layout_map` rules (None without one)."""
         return {"shard": self.shard, "axis_name": self.axis_name,
                 "min_shard_bytes": self.min_shard_bytes,
                 "mesh_shape": tuple(int(s) for s in self.device_mesh.shape),

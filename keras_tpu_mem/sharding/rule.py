@@ -77,10 +77,5 @@ def has_divisible_dim(shape, axis_size: int, taken=()) -> bool:
     return shard_dim(shape, 1, axis_size, 0, taken) is not None
 
 
-def shard_fraction(shape, axis_size: int, dim: int | None) -> float:
-    """The share of a variable one device holds: `1 / axis_size` if split, else 1."""
-    return 1.0 if dim is None or axis_size <= 1 else 1.0 / axis_size
-
-
 __all__ = ["SHARD_MODES", "check_min_shard_bytes", "check_shard", "has_divisible_dim",
-           "shard_dim", "shard_fraction"]
+           "shard_dim"]
