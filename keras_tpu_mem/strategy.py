@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import math
+
+import keras
+import numpy as np
 
 from keras_tpu_mem import backends, devices
 from keras_tpu_mem._utils import check_positive_int, logger
+from keras_tpu_mem.sharding.distribution import ShardedDataParallel
+from keras_tpu_mem.sharding.rule import check_shard
 
 _SOURCE_WORDS = {
     devices.SOURCE_ALLOCATOR: "allocator statistics of each device",
@@ -43,6 +50,11 @@ class TPUStrategyWrapper:
     a pod runs the same program and `distribute` gives each its share of every
     global batch.
 
+    With `sharding="all"` or `"optimizer"` (JAX) the distribution is a
+    `keras_tpu_mem.sharding.ShardedDataParallel` over the same devices (and
+    the `layout_map`'s mesh, if one is given): the model state is split over
+    the data-parallel devices, all of it or only the optimizer's slots.
+
     One log line says what was picked and why.
 
     Args:
@@ -52,6 +64,10 @@ class TPUStrategyWrapper:
         logical_cpus: Without TPU or GPU, mirror over this many logical CPUs
             (TensorFlow: must be set before TensorFlow initialises; JAX: host
             devices, set before JAX starts).
+        sharding: `None` (state whole on every replica), `"all"` (weights and
+            optimizer slots split over the data-parallel devices) or
+            `"optimizer"` (only the slots). JAX only: on TensorFlow anything
+            but `None` raises an error naming JAX.
         **options: JAX only (`TypeError` on TensorFlow): `layout_map` (a
             `keras.distribution.LayoutMap`: model parallelism), `mesh_shape`
             (`(batch, model)`: lay `layout_map` over a new mesh of that shape),
@@ -72,10 +88,16 @@ class TPUStrategyWrapper:
     ```
     """
 
-    def __init__(self, tpu: str | None = None, *, logical_cpus: int | None = None, **options):
-        concern = backends.current("TPUStrategyWrapper").strategy
+    def __init__(self, tpu: str | None = None, *, logical_cpus: int | None = None,
+                 sharding=None, **options):
+        backend = backends.current("TPUStrategyWrapper")
+        concern = backend.strategy
         if logical_cpus is not None:
             check_positive_int(logical_cpus, "logical_cpus")
+        self.sharding = check_sharding(sharding)
+        if sharding is not None:
+            backend.sharding.check_available(f"TPUStrategyWrapper(sharding={sharding!r})")
+            options["sharded"] = functools.partial(ShardedDataParallel, shard=sharding)
         self._placement = concern.place(tpu, logical_cpus, **options)
         self.kind = self._placement.kind
         self.reason = self._placement.reason
@@ -211,12 +233,17 @@ class TPUStrategyWrapper:
                 readings.append(devices.read_memory_reading(device, capacity_bytes=capacity))
         return readings
 
-    def describe(self) -> str:
+    def describe(self, model=None) -> str:
         """A few lines saying what was found, why, and how much memory each replica has.
 
         Each memory line names its source: the device's allocator, or the
         host RSS of the whole process where the CPU allocator keeps no
-        statistics.
+        statistics. A line says how much model state each device holds: with
+        `model`, its weights' and optimizer's bytes on one device (read from
+        where the values lie) against the whole state; without, the rule.
+
+        Args:
+            model: Optional `keras.Model` built in `scope()`.
         """
         lines = [
             f"strategy:  {type(self.strategy).__name__}",
@@ -224,6 +251,7 @@ class TPUStrategyWrapper:
             f"replicas:  {self.num_replicas}",
             f"why:       {self.reason}",
             f"HBM/replica: {devices.format_bytes(self.hbm_bytes_per_replica)}",
+            self._state_line(model),
         ]
         readings = self.memory_info()
         sources = sorted({r.source for r in readings if r.source is not None})
@@ -244,7 +272,54 @@ class TPUStrategyWrapper:
             )
         return "\n".join(lines)
 
+    def _state_line(self, model) -> str:
+        if model is None:
+            if self.sharding is None:
+                return "model state: whole on every replica (sharding=None)"
+            what = ("weights and optimizer slots" if self.sharding == "all"
+                    else "optimizer slots (weights whole)")
+            return (f"model state: {what} split over the {self.num_replicas} data-parallel "
+                    f"devices: each holds 1/{self.num_replicas} of every such variable with a "
+                    f"dimension {self.num_replicas} divides, the rest whole "
+                    f"(sharding={self.sharding!r})")
+        optimizer = getattr(model, "optimizer", None)
+        weights = _unique(model.weights)
+        slots = [v for v in _unique(optimizer.variables if optimizer is not None else [])
+                 if id(v) not in {id(w) for w in weights}]
+        held_w = self._placement.state_bytes(weights)
+        held_o = self._placement.state_bytes(slots)
+        whole = sum(_full_bytes(v) for v in [*weights, *slots])
+        share = (held_w + held_o) / whole if whole else 1.0
+        return (f"model state per device: {devices.format_bytes(held_w + held_o)} "
+                f"(weights {devices.format_bytes(held_w)}, optimizer "
+                f"{devices.format_bytes(held_o)}) of {devices.format_bytes(whole)} in all "
+                f"({share:.2f}x; sharding={self.sharding!r})")
+
     def __repr__(self) -> str:
-        fields = [*self._placement.repr_fields, f"kind={self.kind!r}",
+        sharded = [f"sharding={self.sharding!r}"] if self.sharding is not None else []
+        fields = [*self._placement.repr_fields, *sharded, f"kind={self.kind!r}",
                   f"device={self.device_name!r}", f"replicas={self.num_replicas}"]
         return f"TPUStrategyWrapper({', '.join(fields)})"
+
+
+def check_sharding(sharding):
+    """`TPUStrategyWrapper(sharding=...)`: "all", "optimizer" or None."""
+    try:
+        return check_shard(sharding)
+    except ValueError:
+        raise ValueError(f'`sharding` must be "all", "optimizer" or None, got '
+                         f"{sharding!r}.") from None
+
+
+def _unique(variables) -> list:
+    seen, out = set(), []
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            out.append(variable)
+    return out
+
+
+def _full_bytes(variable) -> int:
+    itemsize = np.dtype(keras.backend.standardize_dtype(variable.dtype)).itemsize
+    return int(math.prod(tuple(variable.shape))) * itemsize

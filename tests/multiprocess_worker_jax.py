@@ -7,8 +7,10 @@ every device of the cluster (`NUM_PROCESSES` x `DEVICES` host CPU devices;
 gloo CPU collectives between processes) with the callbacks FEATURES names —
 `accumulation`: `GradientAccumulation(4)`; `prune_distill`: `Pruning`
 (ConstantSparsity 0.5, masks recomputed every 2 updates) and `Distillation`
-from a live teacher that is sharded by the same distribution — and writes the
-final weights and update count to `OUT.npz`.
+from a live teacher that is sharded by the same distribution; `sharded`: no
+callback, under `ShardedDataParallel()` (weights and Adam slots split over
+every device of the cluster) instead of `DataParallel` — and writes the
+final weights (whole) and update count to `OUT.npz`.
 Each process feeds its own slice of every global batch
 (`auto_shard_dataset=False`), as on a multi-host TPU slice.
 """
@@ -25,6 +27,8 @@ UPDATES = 5
 def _callbacks(features: str, keras, np):
     import keras_tpu_mem as ktm
 
+    if features == "sharded":
+        return []
     if features == "accumulation":
         return [ktm.GradientAccumulation(4)]
     if features == "prune_distill":
@@ -34,7 +38,8 @@ def _callbacks(features: str, keras, np):
                                     keras.layers.Dense(8)])
         return [ktm.Pruning(ktm.ConstantSparsity(0.5, begin_step=0, frequency=2)),
                 ktm.Distillation(teacher, temperature=2.0, alpha=0.5)]
-    raise ValueError(f"FEATURES must be 'accumulation' or 'prune_distill', got {features!r}")
+    raise ValueError("FEATURES must be 'accumulation', 'prune_distill' or 'sharded', got "
+                     f"{features!r}")
 
 
 def main(process_id: int, num_processes: int, devices: int, port: int, out: str,
@@ -63,8 +68,13 @@ def main(process_id: int, num_processes: int, devices: int, port: int, out: str,
                                      step * GLOBAL_BATCH + (process_id + 1) * local)
                            for step in range(UPDATES)])
 
-    distribution = keras.distribution.DataParallel(devices=jax.devices(),
-                                                   auto_shard_dataset=False)
+    if features == "sharded":
+        from keras_tpu_mem.sharding import ShardedDataParallel
+
+        distribution = ShardedDataParallel(devices=jax.devices(), auto_shard_dataset=False)
+    else:
+        distribution = keras.distribution.DataParallel(devices=jax.devices(),
+                                                       auto_shard_dataset=False)
     with distribution.scope():
         callbacks = _callbacks(features, keras, np)
         keras.utils.set_random_seed(1)
@@ -75,8 +85,18 @@ def main(process_id: int, num_processes: int, devices: int, port: int, out: str,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x[rows], y[rows], batch_size=local, epochs=1, shuffle=False, verbose=0,
                   callbacks=callbacks)
-    # Replicated weights: this process's first device holds a full copy.
-    weights = [np.asarray(v.value.addressable_data(0)) for v in model.weights]
+    if features == "sharded":
+        from jax.experimental import multihost_utils
+
+        # Split weights: gather every process's shards into the whole array.
+        weights = [np.asarray(multihost_utils.process_allgather(v.value, tiled=True))
+                   for v in model.weights]
+        split = [v.path for v in model.weights
+                 if "batch" not in tuple(v.value.sharding.spec)]
+        assert split == [], f"weights not split over the cluster: {split}"
+    else:
+        # Replicated weights: this process's first device holds a full copy.
+        weights = [np.asarray(v.value.addressable_data(0)) for v in model.weights]
     np.savez(out, *weights, iterations=int(np.asarray(
         model.optimizer.iterations.value.addressable_data(0))),
         devices=jax.device_count())

@@ -145,6 +145,21 @@ def test_make_keras_train_function_and_per_replica_parts(mirrored):
     assert tf_compat.per_replica_parts(tf.TensorSpec((4, 3))) is None
 
 
+def test_variable_layout_set_variable_layout_and_name_scope_callers():
+    variable = keras.Variable(np.zeros((2, 3), "float32"), name="v")
+    assert keras_compat.variable_layout(variable) is None
+    layout = keras.distribution.TensorLayout((None, None))
+    keras_compat.set_variable_layout(variable, layout)
+    assert keras_compat.variable_layout(variable) is layout
+    keras_compat.set_variable_layout(variable, None)
+    assert keras_compat.variable_layout(variable) is None
+    optimizer = keras.optimizers.SGD()
+    assert optimizer not in keras_compat.name_scope_callers()
+    with keras.name_scope("outer"), keras.name_scope("sgd", caller=optimizer):
+        assert keras_compat.name_scope_callers()[-1] is optimizer
+    assert optimizer not in keras_compat.name_scope_callers()
+
+
 def test_no_internal_reach_outside_compat():
     """Issue 12's floor: private Keras/TF imports only in `_compat`."""
     pattern = re.compile(r"keras\.src|tf\.__internal__|from tensorflow\.python")

@@ -30,3 +30,15 @@ def test_jax_readers_by_name():
     assert devices.jax_device_name is devices.device_name
     assert devices.jax_memory_stats is devices.memory_stats
     assert devices.jax_capacity is devices.capacity
+
+
+def test_replica_devices_of_a_mesh_built_from_device_names():
+    """`DataParallel()` lays its mesh over `list_devices()`'s names ("cpu:0"): the
+    readers still get the devices."""
+    import keras
+
+    from keras_tpu_mem.backends.jax.devices import replica_devices
+
+    distribution = keras.distribution.DataParallel()
+    assert isinstance(distribution.device_mesh.devices.flat[0], str)
+    assert replica_devices(distribution) == sorted(jax.devices(), key=lambda d: d.id)

@@ -1,6 +1,6 @@
 """Two processes x 2 devices on localhost (`keras.distribution.initialize`, gloo CPU
-collectives) against one process x 4 devices: with GradientAccumulation(4), and with
-Pruning and a live-teacher Distillation together."""
+collectives) against one process x 4 devices: with GradientAccumulation(4), with
+Pruning and a live-teacher Distillation together, and under ShardedDataParallel."""
 
 from __future__ import annotations
 
@@ -87,3 +87,14 @@ def test_two_processes_prune_and_distill_like_one_process(tmp_path):
         assert len(kernels) == 2
         for kernel in kernels:
             assert abs(float(np.mean(kernel == 0)) - 0.5) <= 0.01, float(np.mean(kernel == 0))
+
+
+def test_two_processes_shard_the_state_like_one_process(tmp_path):
+    """ShardedDataParallel over 2 processes x 2 devices (weights and Adam slots split
+    over all 4): the weights of one process x 4 devices (1e-5), identical on both."""
+    single = _cluster(tmp_path, 1, 4, "sharded")[0]
+    pair = _cluster(tmp_path, 2, 2, "sharded")
+    assert single["iterations"] == 5 and all(r["iterations"] == 5 for r in pair)
+    assert all(r["devices"] == 4 for r in pair)
+    assert _max_diff(pair[0]["weights"], pair[1]["weights"]) == 0.0
+    assert _max_diff(pair[0]["weights"], single["weights"]) <= 1e-5

@@ -107,3 +107,46 @@ def test_memory_info_falls_back_to_host_rss_on_cpu_devices():
     assert all(r.source == "host_rss" and r.process_wide and r.current_bytes > 0
                for r in readings)
     assert tpu.hbm_bytes_per_replica is None    # no capacity known for host devices
+
+
+@pytest.mark.parametrize("sharding", ["all", "optimizer"])
+def test_sharding_builds_a_sharded_data_parallel(sharding):
+    from keras_tpu_mem.sharding import ShardedDataParallel, sharded_dim
+
+    tpu = TPUStrategyWrapper(logical_cpus=8, sharding=sharding)
+    assert isinstance(tpu.distribution, ShardedDataParallel)
+    assert tpu.distribution.shard == sharding and tpu.num_replicas == 8
+    assert repr(tpu) == (f"TPUStrategyWrapper(backend='jax', sharding={sharding!r}, "
+                         "kind='CPU', device='CPU', replicas=8)")
+    assert "split over the 8 data-parallel devices: each holds 1/8" in tpu.describe()
+    with tpu.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256),
+                                  keras.layers.Dense(16)])
+        model.compile(optimizer="adam", loss="mse")
+        model.optimizer.build(model.trainable_variables)
+    assert (sharded_dim(model.layers[0].kernel) == 1) == (sharding == "all")
+    line = [ln for ln in tpu.describe(model).splitlines() if "model state per device" in ln][0]
+    # Every variable splits over 8: 1/8 of the whole (the Adam scalars are a rounding
+    # error); with "optimizer" the weights stay whole: (1 + 2/8) / 3 of it.
+    share = float(line.split("(")[-1].split("x;")[0])
+    assert share == pytest.approx(0.125 if sharding == "all" else 1.25 / 3, abs=0.01), line
+
+
+def test_sharding_with_a_layout_map_keeps_the_mesh():
+    import jax
+
+    from keras_tpu_mem.sharding import ShardedDataParallel
+
+    mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), jax.devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense.*kernel"] = (None, "model")
+    tpu = TPUStrategyWrapper(logical_cpus=8, layout_map=layout_map, sharding="all")
+    assert isinstance(tpu.distribution, ShardedDataParallel) and tpu.num_replicas == 2
+    with tpu.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="dense")])
+    assert tuple(model.layers[0].kernel.value.sharding.spec) == ("batch", "model")
+
+
+def test_sharding_values_are_checked():
+    with pytest.raises(ValueError, match=r'`sharding` must be "all", "optimizer" or None'):
+        TPUStrategyWrapper(logical_cpus=8, sharding=True)

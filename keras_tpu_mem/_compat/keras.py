@@ -134,3 +134,28 @@ def backend_trainer_class():
 
         return getattr(trainer, "JAXTrainer", None) or trainer.Trainer
     raise RuntimeError(f"keras_tpu_mem has no engine for the {backend!r} backend.")
+
+
+# ------------------------------------------------------------ distribution
+def variable_layout(variable):
+    """The layout a variable was given (a `TensorLayout`, a backend sharding or None)
+    (3.12-3.16: `KerasVariable._layout`, which the JAX variable distributes every
+    assigned value to and which optimizer slots copy from their weight)."""
+    return getattr(variable, "_layout", None)
+
+
+def set_variable_layout(variable, layout) -> None:
+    """Gives a variable a layout: later assignments are distributed to it (3.12-3.16:
+    `KerasVariable._layout`)."""
+    variable._layout = layout
+
+
+def name_scope_callers() -> list:
+    """The objects that opened the current Keras name scopes, innermost last (3.12-3.16:
+    the global attribute `"name_scope_stack"` of `keras.src.backend.common.global_state`,
+    a list of `keras.name_scope`s whose `caller` an optimizer sets to itself when it
+    creates its variables)."""
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    return [getattr(scope, "caller", None) for scope in stack]

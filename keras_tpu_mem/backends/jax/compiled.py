@@ -66,7 +66,10 @@ def replicas(model=None) -> int:
 def _mesh_devices(distribution) -> list:
     if distribution is None:
         return jax.devices()[:1]
-    return list(np.asarray(distribution.device_mesh.devices).flat)
+    # The JAX mesh's devices: a Keras mesh built from `list_devices()` (as
+    # `DataParallel()` builds it) holds device names ("cpu:0"), not devices.
+    mesh = jax_compat.backend_mesh(distribution.device_mesh)
+    return list(np.asarray(mesh.devices).flat)
 
 
 def capacity_device():

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import jax
 import keras
+import numpy as np
+
+from keras_tpu_mem._compat import jax as jax_compat
 
 ALLOCATOR_READER = "jax.Device.memory_stats()"
 PEAK_RESETTABLE = False  # JAX exposes no reset of peak_bytes_in_use
@@ -39,8 +42,9 @@ def replica_devices(where=None) -> list:
     distribution = keras.distribution.distribution() if where is None else where
     if distribution is None:
         return list(jax.local_devices()[:1])
-    mesh = distribution.device_mesh.devices
-    flat = list(mesh.flat) if hasattr(mesh, "flat") else list(mesh)
+    # The JAX mesh's devices: a Keras mesh built from `list_devices()` (as
+    # `DataParallel()` builds it) holds device names ("cpu:0"), not devices.
+    flat = list(np.asarray(jax_compat.backend_mesh(distribution.device_mesh).devices).flat)
     local = jax.process_index()
     return sorted((d for d in flat if getattr(d, "process_index", local) == local),
                   key=lambda d: d.id)

@@ -29,6 +29,7 @@ import keras
 import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem.backends.jax import sharding
 
 _PLATFORM_KIND = {"tpu": "TPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "cpu": "CPU"}
 
@@ -114,7 +115,7 @@ def mirrored_logical_cpus(count: int):
 def place(tpu: str | None, logical_cpus: int | None, *, layout_map=None, mesh_shape=None,
           multi_host: bool = False, coordinator_address: str | None = None,
           num_processes: int | None = None, process_id: int | None = None,
-          **unexpected) -> Placement:
+          sharded=None, **unexpected) -> Placement:
     """Lays a `keras.distribution` over `jax.devices()` (see the module docstring).
 
     Args:
@@ -133,6 +134,10 @@ def place(tpu: str | None, logical_cpus: int | None, *, layout_map=None, mesh_sh
             processes).
         coordinator_address, num_processes, process_id: Passed to
             `keras.distribution.initialize` with `multi_host=True`.
+        sharded: Optional factory of a sharded distribution (the front's
+            `ShardedDataParallel` with its `shard`), called with `devices=`
+            or with `layout_map=` and `axis_name=`, and `auto_shard_dataset=`;
+            without it a `DataParallel` or `ModelParallel`.
 
     Raises:
         TypeError: an argument of neither backend, or a `layout_map` that is
@@ -168,14 +173,16 @@ def place(tpu: str | None, logical_cpus: int | None, *, layout_map=None, mesh_sh
         all_devices = all_devices[:1]
         reason += "; no TPU or GPU, and no logical_cpus: one host device"
     distribution = _build_distribution(all_devices, layout_map, mesh_shape,
-                                       auto_shard=not multi_host)
+                                       auto_shard=not multi_host, sharded=sharded)
     return Placement(distribution, all_devices, kind, reason, multi_host)
 
 
-def _build_distribution(devices, layout_map, mesh_shape, *, auto_shard):
+def _build_distribution(devices, layout_map, mesh_shape, *, auto_shard, sharded=None):
     if layout_map is None:
         if mesh_shape is not None:
             raise ValueError("`mesh_shape` needs a `layout_map` (model parallelism).")
+        if sharded is not None:
+            return sharded(devices=devices, auto_shard_dataset=auto_shard)
         return keras.distribution.DataParallel(devices=devices, auto_shard_dataset=auto_shard)
     if not isinstance(layout_map, keras.distribution.LayoutMap):
         raise TypeError("`layout_map` must be a keras.distribution.LayoutMap, got "
@@ -194,6 +201,9 @@ def _build_distribution(devices, layout_map, mesh_shape, *, auto_shard):
         for key in layout_map:
             regrid[key] = tuple(layout_map[key].axes)
         layout_map = regrid
+    if sharded is not None:
+        return sharded(layout_map=layout_map, axis_name=mesh.axis_names[0],
+                       auto_shard_dataset=auto_shard)
     return keras.distribution.ModelParallel(
         layout_map=layout_map, batch_dim_name=mesh.axis_names[0],
         auto_shard_dataset=auto_shard)
@@ -279,6 +289,10 @@ class Placement:
         return ArrayBatches(data, global_batch_size, drop_remainder=drop_remainder,
                             process_index=jax.process_index(),
                             process_count=jax.process_count())
+
+    def state_bytes(self, variables) -> int:
+        """Bytes of `variables` one device holds, from their values' shardings."""
+        return sum(sharding.device_bytes(v) for v in variables)
 
     def announcement(self, device_name: str) -> str:
         return (f"TPUStrategyWrapper (JAX): {type(self.distribution).__name__} over "

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+import numpy as np
 import tensorflow as tf
 
 from keras_tpu_mem._utils import check_positive_int, logger
@@ -302,6 +303,11 @@ class Placement:
             )
         dataset = dataset.batch(global_batch_size, drop_remainder=drop_remainder)
         return dataset.prefetch(tf.data.AUTOTUNE)
+
+    def state_bytes(self, variables) -> int:
+        """Bytes of `variables` one replica holds: all of them (tf.distribute mirrors
+        every variable whole on each replica)."""
+        return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
 
     def announcement(self, device_name: str) -> str:
         return (f"TPUStrategyWrapper: {type(self.strategy).__name__} with "
