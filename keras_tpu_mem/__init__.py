@@ -64,6 +64,10 @@ _EXPORTS = {
     "sparsity_report": "pruning",
     "strip_pruning": "pruning",
     "write_report": "report",
+    "ShardedDataParallel": "sharding",
+    "reshard": "sharding",
+    "sharded_dim": "sharding",
+    "state_bytes_per_device": "sharding",
     "TPUStrategyWrapper": "strategy",
     "observe_first_batch": "engine",
 }
@@ -76,7 +80,7 @@ __all__ = sorted(_EXPORTS)
 #: that a failed step's `StepOutOfMemoryError` (the compiled breakdown and the
 #: smallest change that fits) needs no import cycle.
 _TRAINS = frozenset({"accumulation", "distillation", "engine", "monitoring", "precision",
-                     "profiling", "pruning", "remat", "strategy"})
+                     "profiling", "pruning", "remat", "sharding", "strategy"})
 
 _NEEDS_TENSORFLOW = (
     "{what} needs TensorFlow, which is not installed. Install it with "
