@@ -199,6 +199,15 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
             loss = loss * (1.0 / num_micro)
         return loss, (unscaled, y_pred, non_trainable, metrics_vars)
 
+    def _grad_fn(self, features, gather=None):
+        """`value_and_grad` of `_loss`; with `gather` (whole weights from the slices
+        given, see `trainer_sharded`), the gradients are the slices'."""
+        loss = functools.partial(self._loss, features)
+        if gather is not None:
+            def loss(trainable, *args, _loss=loss):
+                return _loss(gather(trainable), *args)
+        return jax.value_and_grad(loss, has_aux=True)
+
     def _update_metrics(self, metrics_vars, unscaled_loss, x, y, y_pred, sample_weight):
         """The loss tracker and compiled metrics, updated as Keras' JAX train_step does."""
         model = self.model
@@ -232,11 +241,7 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
         value of every variable nothing assigned).
         """
         updated = [False] * len(non_trainable)
-        loss = functools.partial(self._loss, features)
-        if gather is not None:
-            def loss(trainable, *args, _loss=loss):
-                return _loss(gather(trainable), *args)
-        grad_fn = jax.value_and_grad(loss, has_aux=True)
+        grad_fn = self._grad_fn(features, gather)
         micro = jax.tree_util.tree_map(
             lambda t: t.reshape(num_micro, t.shape[0] // num_micro, *t.shape[1:]), batch)
 
@@ -374,7 +379,7 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
                 optimizer_vars, grads, trainable)
             logs = self._metrics_result(metrics_vars)
         elif num_micro == 1:
-            grad_fn = jax.value_and_grad(functools.partial(self._loss, features), has_aux=True)
+            grad_fn = self._grad_fn(features)
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
                                       x, y, sample_weight, extras, 1, feature_state)
             unscaled, y_pred, non_trainable, metrics_vars = aux
@@ -404,13 +409,13 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
 
     # ------------------------------------- micro-batches pulled from the data
     def _one_micro_batch(self, features, trainable, non_trainable, optimizer_vars,
-                         metrics_vars, batch, k, feature_state):
+                         metrics_vars, batch, k, feature_state, gather=None):
         """Gradient of one pulled micro-batch's loss / k, with the metrics updated.
 
         Returns `(grads, non_trainable, metrics_vars, updated)` as
         `_micro_batch_loop` does."""
         x, y, sample_weight, extras = batch
-        grad_fn = jax.value_and_grad(functools.partial(self._loss, features), has_aux=True)
+        grad_fn = self._grad_fn(features, gather)
         (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
                                   x, y, sample_weight, extras, k, feature_state)
         unscaled, y_pred, new_non_trainable, metrics_vars = aux

@@ -237,3 +237,58 @@ class ShardMapGradients:
         return mapped(list(trainable), list(non_trainable), list(optimizer_vars),
                       list(metrics_vars), batch,
                       (list(feature_state[0]), list(feature_state[1])))
+
+    def _sharded_state_pulled(self, features, apply, trainable, non_trainable, optimizer_vars,
+                              metrics_vars, accumulators, batch, k, shards, feature_state,
+                              layout):
+        """`_pulled_step`'s gradient under sharded state: inside `shard_map` over the
+        batch axis, each micro-batch's gradient is reduce-scattered into
+        accumulators held in its `grad_dims` sharding (a gradient with none keeps
+        the leading per-device axis and is `psum`med once, by `apply`).
+
+        Returns `(grads, accumulators, non_trainable, metrics_vars)`; `grads` (the
+        mean over the devices, in the accumulators' sharding) only with `apply`."""
+        per_device = PerDeviceState(self.model, keras.distribution.distribution(), shards)
+        axis, mesh = per_device.axis, per_device.mesh
+        kept = [d is not None for d in layout.grad_dims]
+
+        def local(trainable, non_trainable, optimizer_vars, metrics_vars, accumulators,
+                  batch, feature_state):
+            start, offset = per_device.localize(non_trainable)
+            with per_device.layouts():
+                grads, local_non_trainable, local_metrics, updated = self._one_micro_batch(
+                    features, trainable, start, optimizer_vars, metrics_vars, batch, k,
+                    feature_state, gather=layout.gather)
+            sums = []
+            for a, g, wd, gd in zip(accumulators, grads, layout.weight_dims,
+                                    layout.grad_dims):
+                if wd is None and gd is not None:
+                    g = jax.lax.psum_scatter(g, axis, scatter_dimension=gd, tiled=True)
+                sums.append(a + g.astype(a.dtype) if gd is not None
+                            else a[0] + g.astype(a.dtype))
+            if apply:
+                grads = [s / shards if keep else jax.lax.psum(s, axis) / shards
+                         for s, keep in zip(sums, kept)]
+                accumulators = [jax.numpy.zeros_like(a) for a in accumulators]
+            else:
+                grads = []
+                accumulators = [s if keep else s[None] for s, keep in zip(sums, kept)]
+            non_trainable, metrics_vars = per_device.combine(
+                non_trainable, local_non_trainable, updated, metrics_vars, local_metrics,
+                offset)
+            return grads, accumulators, non_trainable, metrics_vars
+
+        replicated = PartitionSpec()
+        grad_specs = layout.grad_specs()
+        accumulator_specs = [spec if keep else PartitionSpec(axis)
+                             for spec, keep in zip(grad_specs, kept)]
+        mapped = jax_compat.shard_map(
+            local, mesh=mesh,
+            in_specs=(layout.weight_specs(), replicated, layout.optimizer_specs(), replicated,
+                      accumulator_specs, PartitionSpec(axis), replicated),
+            out_specs=(grad_specs if apply else [], accumulator_specs, replicated,
+                       replicated),
+            manual_axes={axis})
+        return mapped(list(trainable), list(non_trainable), list(optimizer_vars),
+                      list(metrics_vars), list(accumulators), batch,
+                      (list(feature_state[0]), list(feature_state[1])))
