@@ -116,7 +116,8 @@ def test_state_layout_reads_the_values_shardings():
         model.optimizer.build(model.trainable_variables)
         layout = model_state_layout(model)
     assert layout.axis == "batch" and layout.shards == len(jax.devices())
-    # Kernels (16, 32), (32, 32), (32, 8) and biases: the largest divisible dim (the first of equals).
+    # Kernels (16, 32), (32, 32), (32, 8) and biases: the largest divisible
+    # dimension (the first of equals).
     assert layout.weight_dims == [1, 0, 0, 0, 0, 0]
     assert layout.grad_dims == layout.weight_dims
     with keras.distribution.DataParallel(devices=jax.devices()).scope():
