@@ -140,11 +140,12 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
 
     def distribution_key(self):
         # The object itself, compared by identity: the cache key keeps it alive,
-        # so an id can never be reused by another distribution. With the state's
-        # layout: a reshard under the same distribution builds a new step.
+        # so an id can never be reused by another distribution. Sharded state adds
+        # its layout: a reshard under the same distribution builds a new step.
         layout = model_state_layout(self.model)
-        return (keras.distribution.distribution(),
-                None if layout is None else (layout.weight_dims, layout.optimizer_dims))
+        if layout is None:
+            return keras.distribution.distribution()
+        return keras.distribution.distribution(), layout.weight_dims, layout.optimizer_dims
 
     def global_batch_size_of_call(self, args):
         """Always None: the data of a call `(state, iterator)` is an iterator, which
