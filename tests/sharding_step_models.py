@@ -81,3 +81,25 @@ def data(n=160, inputs=16, classes=8, seed=0):
     rng = np.random.default_rng(seed)
     return (rng.normal(size=(n, inputs)).astype("float32"),
             rng.integers(0, classes, n).astype("int32"))
+
+
+class ShardedOverLayoutMap(ModelParallel):
+    """A (2, 4) mesh: kernels split over "model" by a `LayoutMap`, and each variable's
+    largest dimension the map leaves free (divisible by 2) split over "batch"."""
+
+    def __init__(self, devices=None):
+        devices = jax.devices() if devices is None else devices
+        mesh = DeviceMesh((2, len(devices) // 2), ("batch", "model"), devices)
+        layout_map = LayoutMap(mesh)
+        layout_map[".*kernel"] = (None, "model")
+        super().__init__(layout_map=layout_map, batch_dim_name="batch")
+
+    def get_variable_layout(self, variable):
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        layout = super().get_variable_layout(variable)
+        axes = list(layout.axes) if layout is not None else [None] * len(variable.shape)
+        free = [i for i, a in enumerate(axes) if a is None and variable.shape[i] % 2 == 0]
+        if free:
+            axes[max(free, key=lambda i: variable.shape[i])] = "batch"
+        return TensorLayout(axes, self.device_mesh)

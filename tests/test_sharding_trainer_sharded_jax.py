@@ -13,7 +13,13 @@ import jax
 import keras
 import numpy as np
 import pytest
-from sharding_step_models import Sharded, data, lay_out_optimizer, small_mlp
+from sharding_step_models import (
+    Sharded,
+    ShardedOverLayoutMap,
+    data,
+    lay_out_optimizer,
+    small_mlp,
+)
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem.accumulation import GradientAccumulation
@@ -75,6 +81,17 @@ def test_sharded_fit_matches_data_parallel(reference, mode, how):
     model, history = _fit(Sharded(mode), mode=mode, **kwargs)
     assert Engine.attach(model).num_builds == 1  # the engine's step ran, not Keras'
     _check(model, history, reference, sharded_weights=mode == "all")
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_layout_map_on_a_2x4_mesh(reference, steps):
+    """Kernels split over "model" by a LayoutMap, the rest over "batch" (automatic
+    model axis inside the shard_map over the batch axis)."""
+    callbacks = [GradientAccumulation(steps)] if steps > 1 else []
+    model, history = _fit(ShardedOverLayoutMap(), engaged=True, callbacks=callbacks)
+    assert Engine.attach(model).num_builds == 1
+    assert tuple(model.trainable_variables[0].value.sharding.spec) == ("batch", "model")
+    _check(model, history, reference)
 
 
 def test_global_clipnorm_keeps_its_global_norm():
