@@ -384,6 +384,15 @@ def engage(model) -> None:
 
     Args:
         model: A `keras.Model`.
+
+    Example:
+
+    ```python
+    with distribution.scope():  # one that splits the state over its batch axis
+        model = make_model()
+        engage(model)
+        model.fit(x, y, batch_size=1024)  # the engine's sharded step
+    ```
     """
     Engine.attach(model).engage()
 
