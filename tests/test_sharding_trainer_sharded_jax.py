@@ -153,3 +153,20 @@ def test_optimizer_only_layout_reduce_scatters_into_the_slots():
         layout = model_state_layout(model)
     assert layout.weight_dims == [None] * 6
     assert layout.grad_dims == [1, 0, 0, 0, 0, 0]
+
+
+def test_engaged_model_gets_the_sharded_step_once_its_state_is_sharded():
+    """Engaged with replicated state, `fit` runs Keras' step; after the slots are laid
+    out over the batch axis (as a reshard does) the next `fit` builds the engine's."""
+    distribution = Sharded("optimizer")
+    x, y = data(64)
+    with distribution.scope():
+        model = small_mlp()
+        engage(model)
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        engine = Engine.attach(model)
+        assert engine.num_builds == 0
+        lay_out_optimizer(model, distribution)
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        assert engine.num_builds == 1
+        assert engine.backend_step.jitted_step is not None
