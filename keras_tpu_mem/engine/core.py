@@ -136,6 +136,7 @@ class Engine:
         self._cache = None
         self._observers: list[Callable] = []
         self._window_position = 0
+        self._engaged = False
         self.num_builds = 0
         #: Global batch of the first step of the current fit with features (for
         #: the OOM explanation; None where it is not static).
@@ -158,6 +159,13 @@ class Engine:
     def _take_over_make_train_function(self) -> None:
         if "make_train_function" not in self.model.__dict__:
             object.__setattr__(self.model, "make_train_function", self._make_train_function)
+
+    def engage(self) -> None:
+        """Makes every later `fit` of the model ask the backend whether its state needs
+        the engine's step (`Step.owns_step()`: state sharded over the data axis on
+        JAX), and run it then even with no feature callback (see `engage`)."""
+        self._engaged = True
+        self._take_over_make_train_function()
 
     def register(self, feature: Feature) -> None:
         """Adds a feature to the next `fit` of this model."""
@@ -209,10 +217,10 @@ class Engine:
         previous = [f for f in self.features if f not in features]
         for feature in previous:  # features of an earlier, interrupted fit
             self._uninstall(feature)
-        if not features:
+        if not features and not (self._engaged and self.backend_step.owns_step()):
             # No feature in this fit: Keras' own step. The override stays only
             # while someone still waits for the first batch of a fit.
-            if not self._observers:
+            if not self._observers and not self._engaged:
                 del model.__dict__["make_train_function"]
             self.features = []
             force = force or self._installed
@@ -364,6 +372,29 @@ def _same_key(a, b) -> bool:
     """Compares cache keys; features by identity (the key holds them, so ids stay valid)."""
     return (len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0]))
             and a[1:] == b[1:])
+
+
+def engage(model) -> None:
+    """Hands the model's `fit` to the engine wherever its backend needs it without a
+    feature callback: on JAX, state (weights, optimizer slots) split over the data
+    axis runs the engine's sharded step (`backends/jax/trainer_sharded.py`), not
+    Keras' own. Keras gives a distribution no hook on the models built under it, so
+    whatever lays a model's state out sharded (`reshard`, a sharded distribution's
+    helpers) calls this; a feature callback in the `fit` does the same by itself.
+
+    Args:
+        model: A `keras.Model`.
+
+    Example:
+
+    ```python
+    with distribution.scope():  # one that splits the state over its batch axis
+        model = make_model()
+        engage(model)
+        model.fit(x, y, batch_size=1024)  # the engine's sharded step
+    ```
+    """
+    Engine.attach(model).engage()
 
 
 def observe_first_batch(model, fn: Callable) -> None:

@@ -2,7 +2,8 @@
 through `memory_analysis()`.
 
 The step is the engine's own (`backends.jax.trainer.Step.make_step(jit=False)`, the function
-`fit` jits) for the given features, or Keras' `model.train_step` without any,
+`fit` jits) for the given features, or under state split over the batch axis, or Keras'
+`model.train_step` otherwise,
 jitted as `fit` jits it (`donate_argnums=0`; under a `keras.distribution` the
 state's shardings as `out_shardings`), lowered on `jax.ShapeDtypeStruct`s that
 carry the distribution's shardings, compiled, and read through
@@ -24,6 +25,7 @@ import keras
 import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem.backends.jax.trainer_sharded import make_state_layout
 
 UNIT = "device"
 TABLE_SCOPE = "per device"
@@ -176,8 +178,12 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
         # not from the variables' values, which a running fit has purged).
         out_shardings = (None, jax.tree_util.tree_map(lambda s: s.sharding, state))
     with compile_context(model, features) as backend_step:
-        step = (backend_step.make_step(jit=False) if features
-                else model.train_step)
+        # State split over the batch axis: the engine's sharded step, as `fit` runs
+        # it then even without features (`trainer_sharded`).
+        shardings = jax.tree_util.tree_map(lambda s: s.sharding, state)
+        sharded = model.optimizer is not None and make_state_layout(model, shardings)
+        step = (backend_step.make_step(jit=False, state_shardings=shardings)
+                if features or sharded else model.train_step)
         jitted = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
         try:
             compiled = jitted.lower(state, batch).compile()

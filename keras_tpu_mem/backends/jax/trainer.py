@@ -29,6 +29,10 @@ this module is that step on JAX, where Keras' `fit` calls
   are arrays held by the train function (a leading per-device axis on the
   batch axis under a data-parallel axis >1, filled inside `shard_map`), so
   gradients are reduced once per update, in the applying step.
+* **sharded state** (a state value's sharding names the batch axis: FSDP /
+  ZeRO): the gradient in `shard_map` with an `all_gather` per sharded weight
+  and reduce-scatters (`backends/jax/trainer_sharded.py`); `fit` runs it even
+  without features once `engine.core.engage(model)` was called.
 * **"Per replica" on JAX** means per data-parallel shard: the global batch
   divided by the size of the distribution's batch axis (`DataParallel(8)`: per
   device; `ModelParallel` on a (2, 4) mesh: per group of 4 devices that share
@@ -53,13 +57,16 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem.backends.jax.feature_state import CarriedFeatureState
 from keras_tpu_mem.backends.jax.trainer_pulled import PulledMicroBatchSteps
-from keras_tpu_mem.backends.jax.trainer_shared import PerDeviceState as _PerDeviceState
+from keras_tpu_mem.backends.jax.trainer_sharded import (
+    ShardMapGradients,
+    make_state_layout,
+    model_state_layout,
+)
 from keras_tpu_mem.backends.jax.trainer_shared import leading_dim as _leading_dim
 from keras_tpu_mem.backends.jax.trainer_shared import (
     multi_step_train_function as _multi_step_train_function,
@@ -104,7 +111,7 @@ def update_variable(variable, fn, *args):
     return fn(variable, *args)
 
 
-class Step(PulledMicroBatchSteps):
+class Step(PulledMicroBatchSteps, ShardMapGradients):
     """Builds the JAX train function for an `Engine` (keras.distribution).
 
     Attributes:
@@ -131,10 +138,19 @@ class Step(PulledMicroBatchSteps):
         """Data-parallel shards (the size of the distribution's batch axis)."""
         return data_parallel_size()
 
+    def owns_step(self) -> bool:
+        """True when the model's state is split over the batch axis: its `fit` needs
+        the engine's step even without features (`trainer_sharded`)."""
+        return model_state_layout(self.model) is not None
+
     def distribution_key(self):
         # The object itself, compared by identity: the cache key keeps it alive,
-        # so an id can never be reused by another distribution.
-        return keras.distribution.distribution()
+        # so an id can never be reused by another distribution. Sharded state adds
+        # its layout: a reshard under the same distribution builds a new step.
+        layout = model_state_layout(self.model)
+        if layout is None:
+            return keras.distribution.distribution()
+        return keras.distribution.distribution(), layout.weight_dims, layout.optimizer_dims
 
     def global_batch_size_of_call(self, args):
         """Always None: the data of a call `(state, iterator)` is an iterator, which
@@ -179,13 +195,24 @@ class Step(PulledMicroBatchSteps):
                 loss = feature.transform_loss(loss, ctx)
         unscaled = loss
         if model.optimizer is not None:
-            # LossScaleOptimizer reads its scale variable.
-            with keras.StatelessScope(state_mapping=list(zip(model.optimizer.variables,
-                                                             optimizer_vars))):
+            # LossScaleOptimizer reads its scale variable (in a sharded step's body
+            # the slots are slices, which a scope refuses and scale_loss never reads).
+            with keras.StatelessScope(state_mapping=[
+                    (v, value) for v, value in zip(model.optimizer.variables, optimizer_vars)
+                    if tuple(value.shape) == tuple(v.shape)]):
                 loss = model.optimizer.scale_loss(loss)
         if num_micro > 1:
             loss = loss * (1.0 / num_micro)
         return loss, (unscaled, y_pred, non_trainable, metrics_vars)
+
+    def _grad_fn(self, features, gather=None):
+        """`value_and_grad` of `_loss`; with `gather` (whole weights from the slices
+        given, see `trainer_sharded`), the gradients are the slices'."""
+        loss = functools.partial(self._loss, features)
+        if gather is not None:
+            def loss(trainable, *args, _loss=loss):
+                return _loss(gather(trainable), *args)
+        return jax.value_and_grad(loss, has_aux=True)
 
     def _update_metrics(self, metrics_vars, unscaled_loss, x, y, y_pred, sample_weight):
         """The loss tracker and compiled metrics, updated as Keras' JAX train_step does."""
@@ -208,9 +235,11 @@ class Step(PulledMicroBatchSteps):
             return model.get_metrics_result()
 
     def _micro_batch_loop(self, features, trainable, non_trainable, optimizer_vars,
-                          metrics_vars, batch, num_micro, feature_state=((), ())):
+                          metrics_vars, batch, num_micro, feature_state=((), ()), gather=None):
         """Sum of the micro-batch gradients of `batch` (its rows, split in order),
-        with the non-trainable and metric state threaded through the loop.
+        with the non-trainable and metric state threaded through the loop
+        (`gather`: whole weights from the `trainable` given, which the gradients
+        are of; see `trainer_sharded`).
 
         Returns `(gradient sums, non_trainable, metrics_vars, updated)`, where
         `updated[i]` says whether the step writes non-trainable variable `i`
@@ -218,7 +247,7 @@ class Step(PulledMicroBatchSteps):
         value of every variable nothing assigned).
         """
         updated = [False] * len(non_trainable)
-        grad_fn = jax.value_and_grad(functools.partial(self._loss, features), has_aux=True)
+        grad_fn = self._grad_fn(features, gather)
         micro = jax.tree_util.tree_map(
             lambda t: t.reshape(num_micro, t.shape[0] // num_micro, *t.shape[1:]), batch)
 
@@ -323,13 +352,14 @@ class Step(PulledMicroBatchSteps):
             raise ValueError("keras_tpu_mem's engine found no batched array in the data.")
         return has_feature_state, feature_state, batch, size, self.num_replicas()
 
-    def _step(self, features, state, data, feature_state=None):
+    def _step(self, features, state, data, feature_state=None, layout=None):
         """One update. `features` is the build's snapshot of the engine's features, so
         that a later trace of the same step (`jitted_step.lower`) builds the same step.
 
         With features that own variables (`step_variables`/`frozen_variables`) the step
         is `(state, data, feature_state) -> (logs, state, carried values)`; called
         without `feature_state`, the variables' current values are used (as constants).
+        `layout`: the state's `trainer_sharded.StateLayout` (None: replicated state).
         """
         model = self.model
         has_feature_state, feature_state, batch, global_batch, shards = self._step_inputs(
@@ -347,8 +377,15 @@ class Step(PulledMicroBatchSteps):
                             "engine needs a Python int (shapes are static under jit).")
         num_micro = int(num_micro)
 
-        if num_micro == 1:
-            grad_fn = jax.value_and_grad(functools.partial(self._loss, features), has_aux=True)
+        if layout is not None:  # sharded state: see trainer_sharded
+            grads, non_trainable, metrics_vars = self._sharded_micro_batches(
+                features, trainable, non_trainable, optimizer_vars, metrics_vars, batch,
+                num_micro, shards, feature_state, layout=layout)
+            trainable, optimizer_vars = model.optimizer.stateless_apply(
+                optimizer_vars, grads, trainable)
+            logs = self._metrics_result(metrics_vars)
+        elif num_micro == 1:
+            grad_fn = self._grad_fn(features)
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
                                       x, y, sample_weight, extras, 1, feature_state)
             unscaled, y_pred, non_trainable, metrics_vars = aux
@@ -376,50 +413,15 @@ class Step(PulledMicroBatchSteps):
             return logs, new_state, carried
         return logs, new_state
 
-    def _sharded_micro_batches(self, features, trainable, non_trainable, optimizer_vars,
-                               metrics_vars, batch, num_micro, shards, feature_state=((), ())):
-        """The micro-batch loop inside `shard_map` over the batch axis: one reduction
-        after the loop."""
-        per_device = _PerDeviceState(self.model, keras.distribution.distribution(), shards)
-        axis, mesh = per_device.axis, per_device.mesh
-
-        def local(trainable, non_trainable, optimizer_vars, metrics_vars, batch,
-                  feature_state):
-            start, offset = per_device.localize(non_trainable)
-            with per_device.layouts():
-                sums, local_non_trainable, local_metrics, updated = self._micro_batch_loop(
-                    features, trainable, start, optimizer_vars, metrics_vars, batch,
-                    num_micro, feature_state)
-            # The one gradient reduction of the step: each device's sum of its
-            # own micro-batch gradients, averaged over the devices (every
-            # device's loss is the mean over its share, so the mean of the
-            # devices' gradients is the gradient of the global batch's loss).
-            grads = [jax.lax.psum(s, axis) / shards for s in sums]
-            non_trainable, metrics_vars = per_device.combine(
-                non_trainable, local_non_trainable, updated, metrics_vars, local_metrics,
-                offset)
-            return grads, non_trainable, metrics_vars
-
-        replicated = PartitionSpec()
-        mapped = jax_compat.shard_map(
-            local, mesh=mesh,
-            in_specs=(replicated, replicated, replicated, replicated, PartitionSpec(axis),
-                      replicated),
-            out_specs=(replicated, replicated, replicated),
-            manual_axes={axis})
-        return mapped(list(trainable), list(non_trainable), list(optimizer_vars),
-                      list(metrics_vars), batch,
-                      (list(feature_state[0]), list(feature_state[1])))
-
     # ------------------------------------- micro-batches pulled from the data
     def _one_micro_batch(self, features, trainable, non_trainable, optimizer_vars,
-                         metrics_vars, batch, k, feature_state):
+                         metrics_vars, batch, k, feature_state, gather=None):
         """Gradient of one pulled micro-batch's loss / k, with the metrics updated.
 
         Returns `(grads, non_trainable, metrics_vars, updated)` as
         `_micro_batch_loop` does."""
         x, y, sample_weight, extras = batch
-        grad_fn = jax.value_and_grad(functools.partial(self._loss, features), has_aux=True)
+        grad_fn = self._grad_fn(features, gather)
         (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
                                   x, y, sample_weight, extras, k, feature_state)
         unscaled, y_pred, new_non_trainable, metrics_vars = aux
@@ -429,17 +431,21 @@ class Step(PulledMicroBatchSteps):
         return grads, list(new_non_trainable), metrics_vars, updated
 
     # -------------------------------------------------------- the train function
-    def make_step(self, jit: bool = True) -> Callable:
+    def make_step(self, jit: bool = True, state_shardings=None) -> Callable:
         """The step `(state, data) -> (logs, state)` for the engine's current features.
 
         Jitted as `fit` jits it (`donate_argnums=0`; under a `keras.distribution`
         the variables' current shardings as `out_shardings`, so call it before
         `fit` purges them), unless `jit=False`. For compiling the step without
         a `fit` (memory analysis, planning): `make_step().lower(state,
-        batch).compile()`. The step keeps a snapshot of the features, so a later
-        trace builds the same step.
+        batch).compile()`. The step keeps a snapshot of the features and of the
+        state's layout (read from `state_shardings`, else from the variables'
+        values: state split over the batch axis gets the sharded step), so a
+        later trace builds the same step.
         """
-        step = functools.partial(self._step, tuple(self.features))
+        layout = (model_state_layout(self.model) if state_shardings is None
+                  else make_state_layout(self.model, state_shardings))
+        step = functools.partial(self._step, tuple(self.features), layout=layout)
         if not jit:
             return step
         out_shardings = None

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem.backends.jax.feature_state import CarriedFeatureState
+from keras_tpu_mem.backends.jax.trainer_sharded import model_state_layout
 from keras_tpu_mem.backends.jax.trainer_shared import PerDeviceState as _PerDeviceState
 from keras_tpu_mem.backends.jax.trainer_shared import (
     multi_step_train_function as _multi_step_train_function,
@@ -39,7 +40,7 @@ class PulledMicroBatchSteps:
     """The pulled-micro-batch train function of `Step` (see the module docstring)."""
 
     def _pulled_step(self, features, k, apply, state, accumulators, data,
-                     feature_state=None):
+                     feature_state=None, layout=None):
         """One micro-batch of Keras' accumulation convention (`dataset_yields=
         "micro_batches"`): `(state, accumulators, data[, feature_state]) -> (logs,
         state, accumulators[, carried values])`.
@@ -50,7 +51,9 @@ class PulledMicroBatchSteps:
         than one device the accumulators carry a leading per-device axis
         sharded on the batch axis and the gradients stay per device (inside
         `shard_map`): the only gradient reduction is the applying step's one
-        `psum`.
+        `psum`. Under sharded state (`layout`, see `trainer_sharded`) each
+        micro-batch's gradient is reduce-scattered into accumulators held in
+        the state's sharding.
         """
         model = self.model
         has_feature_state, feature_state, batch, micro, shards = self._step_inputs(
@@ -64,7 +67,11 @@ class PulledMicroBatchSteps:
                 f"devices of the active keras.distribution; use a dataset batch size that "
                 f"is a multiple of {shards}.")
         accumulators = list(accumulators)
-        if shards == 1:
+        if layout is not None:
+            grads, accumulators, non_trainable, metrics_vars = self._sharded_state_pulled(
+                features, apply, trainable, non_trainable, optimizer_vars, metrics_vars,
+                accumulators, batch, k, shards, feature_state, layout)
+        elif shards == 1:
             grads, non_trainable, metrics_vars, _ = self._one_micro_batch(
                 features, trainable, non_trainable, optimizer_vars, metrics_vars, batch, k,
                 feature_state)
@@ -130,33 +137,41 @@ class PulledMicroBatchSteps:
                       list(metrics_vars), list(accumulators), batch,
                       (list(feature_state[0]), list(feature_state[1])))
 
-    def accumulator_shardings(self):
+    def accumulator_shardings(self, layout=None):
         """Shardings of the pulled-micro-batch accumulators (None without a
         distribution): each trainable weight's, with a leading per-device axis on
-        the batch axis when that axis has more than one device."""
+        the batch axis when that axis has more than one device; under sharded
+        state (`layout`), a weight whose gradient is reduce-scattered gets its
+        gradient's sharding and no leading axis."""
         distribution = keras.distribution.distribution()
         if distribution is None:
             return None
         mesh = jax_compat.backend_mesh(distribution.device_mesh)
         shards = self.num_replicas()
+        axis = distribution.batch_dim_name
         shardings = []
-        for variable in self.model.trainable_variables:
+        for i, variable in enumerate(self.model.trainable_variables):
             sharding = getattr(variable.value, "sharding", None)
             spec = tuple(getattr(sharding, "spec", ()) or ())
             spec = spec + (None,) * (len(variable.shape) - len(spec))
-            if shards > 1:
-                spec = (distribution.batch_dim_name, *spec)
+            dim = None if layout is None else layout.grad_dims[i]
+            if dim is not None:
+                spec = tuple(axis if d == dim else (None if s == axis else s)
+                             for d, s in enumerate(spec))
+            elif shards > 1:
+                spec = (axis, *spec)
             shardings.append(jax.sharding.NamedSharding(mesh, PartitionSpec(*spec)))
         return shardings
 
-    def zero_accumulators(self, shardings=None):
+    def zero_accumulators(self, shardings=None, layout=None):
         """Fresh zero accumulators for `dataset_yields="micro_batches"` (one per
-        trainable weight; a leading per-device axis under a data-parallel axis >1)."""
+        trainable weight; a leading per-device axis under a data-parallel axis >1,
+        except for a sharded gradient of a `layout`)."""
         shards = self.num_replicas()
         zeros = []
         for i, variable in enumerate(self.model.trainable_variables):
             shape = tuple(variable.shape)
-            if shards > 1:
+            if shards > 1 and (layout is None or layout.grad_dims[i] is None):
                 shape = (shards, *shape)
             value = jnp.zeros(shape, variable.dtype)
             if shardings is not None:
@@ -168,14 +183,16 @@ class PulledMicroBatchSteps:
         """`{False: accumulating step, True: applying step}` of `_pulled_step`, jitted
         with `donate_argnums=(0, 1)` (state and accumulators) unless `jit=False`."""
         features = tuple(self.features)
-        steps = {apply: functools.partial(self._pulled_step, features, k, apply)
+        layout = model_state_layout(self.model)
+        steps = {apply: functools.partial(self._pulled_step, features, k, apply,
+                                          layout=layout)
                  for apply in (False, True)}
         if not jit:
             return steps
         out_shardings = None
         if keras.distribution.distribution() is not None:
             out_shardings = (None, jax_compat.state_sharding_spec(self.model),
-                             self.accumulator_shardings())
+                             self.accumulator_shardings(layout))
             carried, frozen = self._feature_variables(self.features)
             if carried or frozen:
                 out_shardings += ([v.value.sharding for v in carried],)
@@ -189,7 +206,8 @@ class PulledMicroBatchSteps:
         jit = not model.run_eagerly and bool(model.jit_compile)
         steps = self.make_pulled_steps(k, jit=jit)
         self.jitted_step = None
-        shardings = self.accumulator_shardings()
+        layout = model_state_layout(model)
+        shardings = self.accumulator_shardings(layout)
         engine = self.engine
         carried, frozen = self._feature_variables(self.features)
         # The accumulators live here, beside Keras' state, never in a variable:
@@ -217,7 +235,7 @@ class PulledMicroBatchSteps:
         def micro_step(state, data):
             position = engine._window_position
             if held["accumulators"] is None or position != held["position"]:
-                held["accumulators"] = self.zero_accumulators(shardings)
+                held["accumulators"] = self.zero_accumulators(shardings, layout)
             apply = position == k - 1
             held["position"] = -1  # in flight: a failure leaves nothing to reuse
             logs, state = run(apply, state, data)
@@ -234,5 +252,5 @@ class PulledMicroBatchSteps:
                                                     on_error=forget_window)
         train_function.jitted_step = None
         train_function.pulled_steps = steps
-        train_function.zero_accumulators = lambda: self.zero_accumulators(shardings)
+        train_function.zero_accumulators = lambda: self.zero_accumulators(shardings, layout)
         return train_function

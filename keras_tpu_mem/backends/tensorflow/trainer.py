@@ -77,6 +77,11 @@ class Step:
     def distribution_key(self):
         return id(self.model.distribute_strategy)
 
+    def owns_step(self) -> bool:
+        """False: no state layout on TensorFlow needs the engine's step without a
+        feature (the JAX trainer's sharded state does)."""
+        return False
+
     def global_batch_size_of_call(self, args):
         """The global batch of a train-function call `(iterator,)`, from its spec."""
         return leading_dim(getattr(args[0], "element_spec", None))

@@ -1,0 +1,294 @@
+"""The JAX step's gradient inside `shard_map` over the batch axis, replicated or sharded state.
+
+Under a data-parallel axis of more than one device the engine computes the
+gradient inside `shard_map` over that axis (a `ModelParallel` model axis stays
+automatic): each device runs its own share of the batch and the gradient is
+reduced with explicit collectives. Two cases, chosen from the state itself:
+
+* **replicated state** (`DataParallel`): every device sums its micro-batches'
+  gradients through the loop, and one `psum` after the loop reduces them (no
+  collective inside the loop body).
+* **sharded state** (FSDP / ZeRO: a state value's `.sharding.spec` names the
+  batch axis; `StateLayout`): each sharded weight enters as the device's slice
+  and is `all_gather`ed (tiled) where the loss uses it, so its gradient is the
+  transpose, a reduce-scatter (`psum_scatter`) into the slice; a replicated
+  weight whose optimizer slots are sharded (ZeRO-1) has its gradient
+  reduce-scattered into the slots' sharding after the loop; any other
+  gradient is `psum`med. The gradients leave the `shard_map` in that
+  sharding and the optimizer's `stateless_apply` runs outside it on the
+  global (sharded) arrays, so XLA partitions the elementwise update per
+  slice and inserts the collectives of any global view (`clipnorm`,
+  `global_clipnorm`, a `LossScaleOptimizer`'s finite check) itself: every
+  optimizer keeps its exact semantics.
+
+XLA's partitioner alone (the step on global arrays) keeps whole gathered
+weights and all-reduces whole gradients on CPU (docs/engine.md, "The sharded
+step"); written here, the reduce-scatters are in the program XLA is given.
+"""
+
+from __future__ import annotations
+
+import jax
+import keras
+from jax.sharding import PartitionSpec
+
+from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem.backends.jax.trainer_shared import PerDeviceState
+
+
+def _batch_dim(sharding, axis) -> int | None:
+    """The dimension a value's sharding splits over `axis` (None: not split over it)."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return None
+    for dim, entry in enumerate(spec):
+        names = entry if isinstance(entry, (tuple, list)) else (entry,)
+        if axis in names:
+            if len(names) > 1:
+                raise NotImplementedError(
+                    f"A state value's sharding splits one dimension over the axes {names}; "
+                    f"keras_tpu_mem's sharded step needs the batch axis {axis!r} alone on a "
+                    "dimension.")
+            return dim
+    return None
+
+
+def _spec(axis, dim, ndim) -> PartitionSpec:
+    if dim is None:
+        return PartitionSpec()
+    return PartitionSpec(*([None] * dim + [axis]))
+
+
+class StateLayout:
+    """Which state values are split over the batch axis, and on which dimension.
+
+    Read from the values' shardings (`state_layout`), never from the
+    distribution's class, so any distribution that lays state out over its
+    batch axis gets the sharded step.
+
+    Attributes:
+        axis: The distribution's batch axis name.
+        shards: Devices along it.
+        weight_dims: Per trainable weight, the dimension split over the axis (or None).
+        grad_dims: Per trainable weight, where its gradient is reduce-scattered:
+            the weight's own dimension, else that of its sharded optimizer slots
+            (same shape), else None (`psum`).
+        optimizer_dims: Per optimizer variable, its split dimension (or None).
+    """
+
+    def __init__(self, axis, shards, weight_dims, optimizer_dims, weight_shapes,
+                 optimizer_shapes):
+        self.axis, self.shards = axis, shards
+        self.weight_dims = list(weight_dims)
+        self.optimizer_dims = list(optimizer_dims)
+        self.weight_ndims = [len(s) for s in weight_shapes]
+        self.optimizer_ndims = [len(s) for s in optimizer_shapes]
+        slot_dims = {}
+        for shape, dim in zip(optimizer_shapes, optimizer_dims):
+            if dim is not None:
+                slot_dims.setdefault(tuple(shape), dim)
+        self.grad_dims = [dim if dim is not None else slot_dims.get(tuple(shape))
+                          for dim, shape in zip(self.weight_dims, weight_shapes)]
+
+    def weight_specs(self):
+        return [_spec(self.axis, d, n) for d, n in zip(self.weight_dims, self.weight_ndims)]
+
+    def grad_specs(self):
+        return [_spec(self.axis, d, n) for d, n in zip(self.grad_dims, self.weight_ndims)]
+
+    def optimizer_specs(self):
+        return [_spec(self.axis, d, n)
+                for d, n in zip(self.optimizer_dims, self.optimizer_ndims)]
+
+    def gather(self, trainable):
+        """Whole weights from the device's slices (inside the `shard_map` body)."""
+        return [v if d is None else jax.lax.all_gather(v, self.axis, axis=d, tiled=True)
+                for v, d in zip(trainable, self.weight_dims)]
+
+    def reduce(self, sums, scattered: bool):
+        """The mean gradient over the devices, each in its `grad_dims` sharding.
+
+        `sums` are the device's gradient sums; a sharded weight's is already a
+        slice summed over the devices (the all_gather's transpose) when
+        `scattered`, else a whole local gradient, reduce-scattered here."""
+        out = []
+        for s, wd, gd in zip(sums, self.weight_dims, self.grad_dims):
+            if wd is not None and scattered:
+                out.append(s / self.shards)
+            elif gd is not None:
+                out.append(jax.lax.psum_scatter(s, self.axis, scatter_dimension=gd,
+                                                tiled=True) / self.shards)
+            else:
+                out.append(jax.lax.psum(s, self.axis) / self.shards)
+        return out
+
+
+def state_layout(state_shardings, distribution=None):
+    """The `StateLayout` of a state's shardings, or None when nothing is split over the
+    distribution's batch axis (or it has one device, or there is no distribution).
+
+    Args:
+        state_shardings: `(trainable, non_trainable, optimizer, metrics)` shardings,
+            as `jax_compat.state_sharding_spec(model)` reads them from the values
+            (or `ShapeDtypeStruct.sharding`s of a compile's state).
+        distribution: The `keras.distribution`; the active one if None.
+    """
+    if distribution is None:
+        distribution = keras.distribution.distribution()
+    if distribution is None or state_shardings is None:
+        return None
+    axis = distribution.batch_dim_name
+    mesh = distribution.device_mesh
+    names = list(mesh.axis_names)
+    if axis not in names or int(mesh.shape[names.index(axis)]) < 2:
+        return None
+    trainable, _, optimizer, _ = state_shardings
+    weight_dims = [_batch_dim(s, axis) for s in trainable]
+    optimizer_dims = [_batch_dim(s, axis) for s in optimizer]
+    if all(d is None for d in (*weight_dims, *optimizer_dims)):
+        return None
+    return weight_dims, optimizer_dims, axis, int(mesh.shape[names.index(axis)])
+
+
+def make_state_layout(model, state_shardings, distribution=None):
+    """`state_layout` with the model's shapes: a `StateLayout`, or None."""
+    found = state_layout(state_shardings, distribution)
+    if found is None:
+        return None
+    weight_dims, optimizer_dims, axis, shards = found
+    return StateLayout(axis, shards, weight_dims, optimizer_dims,
+                       [tuple(v.shape) for v in model.trainable_variables],
+                       [tuple(v.shape) for v in model.optimizer.variables])
+
+
+def model_state_layout(model):
+    """The `StateLayout` of the model's current variable values (None when unsharded).
+
+    Call it before `fit` purges the values (from `make_train_function`)."""
+    if keras.distribution.distribution() is None or model.optimizer is None:
+        return None
+    try:
+        shardings = jax_compat.state_sharding_spec(model)
+    except Exception:  # unbuilt optimizer or purged values: nothing to read
+        return None
+    return make_state_layout(model, shardings)
+
+
+class ShardMapGradients:
+    """`Step`'s in-step gradient under a data-parallel axis (mixin; see the module)."""
+
+    #: Sharded weights: differentiate each micro-batch with respect to the
+    #: device's slice (the reduce-scatter runs once per micro-batch and the
+    #: accumulators hold slices) rather than gathering once before the loop
+    #: and reduce-scattering whole-weight sums once after it (whole gradient
+    #: sums alive through the loop). Measured in docs/engine.md.
+    scatter_in_loop = True
+
+    def _sharded_micro_batches(self, features, trainable, non_trainable, optimizer_vars,
+                               metrics_vars, batch, num_micro, shards, feature_state=((), ()),
+                               layout=None):
+        """The micro-batch loop inside `shard_map` over the batch axis.
+
+        Returns `(grads, non_trainable, metrics_vars)`; the gradients are
+        replicated (one `psum` after the loop), or under a `layout` in its
+        `grad_dims` sharding."""
+        per_device = PerDeviceState(self.model, keras.distribution.distribution(), shards)
+        axis, mesh = per_device.axis, per_device.mesh
+        replicated = PartitionSpec()
+        scattered = layout is not None and self.scatter_in_loop
+
+        def local(trainable, non_trainable, optimizer_vars, metrics_vars, batch,
+                  feature_state):
+            start, offset = per_device.localize(non_trainable)
+            gather = None
+            if layout is not None:
+                if scattered:
+                    gather = layout.gather
+                else:
+                    trainable = layout.gather(trainable)
+            with per_device.layouts():
+                sums, local_non_trainable, local_metrics, updated = self._micro_batch_loop(
+                    features, trainable, start, optimizer_vars, metrics_vars, batch,
+                    num_micro, feature_state, gather=gather)
+            if layout is None:
+                # The one gradient reduction of the step: each device's sum of its
+                # own micro-batch gradients, averaged over the devices (every
+                # device's loss is the mean over its share, so the mean of the
+                # devices' gradients is the gradient of the global batch's loss).
+                grads = [jax.lax.psum(s, axis) / shards for s in sums]
+            else:
+                grads = layout.reduce(sums, scattered)
+            non_trainable, metrics_vars = per_device.combine(
+                non_trainable, local_non_trainable, updated, metrics_vars, local_metrics,
+                offset)
+            return grads, non_trainable, metrics_vars
+
+        if layout is None:
+            weight_specs = optimizer_specs = grad_specs = replicated
+        else:
+            weight_specs, grad_specs = layout.weight_specs(), layout.grad_specs()
+            optimizer_specs = layout.optimizer_specs()
+        mapped = jax_compat.shard_map(
+            local, mesh=mesh,
+            in_specs=(weight_specs, replicated, optimizer_specs, replicated,
+                      PartitionSpec(axis), replicated),
+            out_specs=(grad_specs, replicated, replicated),
+            manual_axes={axis})
+        return mapped(list(trainable), list(non_trainable), list(optimizer_vars),
+                      list(metrics_vars), batch,
+                      (list(feature_state[0]), list(feature_state[1])))
+
+    def _sharded_state_pulled(self, features, apply, trainable, non_trainable, optimizer_vars,
+                              metrics_vars, accumulators, batch, k, shards, feature_state,
+                              layout):
+        """`_pulled_step`'s gradient under sharded state: inside `shard_map` over the
+        batch axis, each micro-batch's gradient is reduce-scattered into
+        accumulators held in its `grad_dims` sharding (a gradient with none keeps
+        the leading per-device axis and is `psum`med once, by `apply`).
+
+        Returns `(grads, accumulators, non_trainable, metrics_vars)`; `grads` (the
+        mean over the devices, in the accumulators' sharding) only with `apply`."""
+        per_device = PerDeviceState(self.model, keras.distribution.distribution(), shards)
+        axis, mesh = per_device.axis, per_device.mesh
+        kept = [d is not None for d in layout.grad_dims]
+
+        def local(trainable, non_trainable, optimizer_vars, metrics_vars, accumulators,
+                  batch, feature_state):
+            start, offset = per_device.localize(non_trainable)
+            with per_device.layouts():
+                grads, local_non_trainable, local_metrics, updated = self._one_micro_batch(
+                    features, trainable, start, optimizer_vars, metrics_vars, batch, k,
+                    feature_state, gather=layout.gather)
+            sums = []
+            for a, g, wd, gd in zip(accumulators, grads, layout.weight_dims,
+                                    layout.grad_dims):
+                if wd is None and gd is not None:
+                    g = jax.lax.psum_scatter(g, axis, scatter_dimension=gd, tiled=True)
+                sums.append(a + g.astype(a.dtype) if gd is not None
+                            else a[0] + g.astype(a.dtype))
+            if apply:
+                grads = [s / shards if keep else jax.lax.psum(s, axis) / shards
+                         for s, keep in zip(sums, kept)]
+                accumulators = [jax.numpy.zeros_like(a) for a in accumulators]
+            else:
+                grads = []
+                accumulators = [s if keep else s[None] for s, keep in zip(sums, kept)]
+            non_trainable, metrics_vars = per_device.combine(
+                non_trainable, local_non_trainable, updated, metrics_vars, local_metrics,
+                offset)
+            return grads, accumulators, non_trainable, metrics_vars
+
+        replicated = PartitionSpec()
+        grad_specs = layout.grad_specs()
+        accumulator_specs = [spec if keep else PartitionSpec(axis)
+                             for spec, keep in zip(grad_specs, kept)]
+        mapped = jax_compat.shard_map(
+            local, mesh=mesh,
+            in_specs=(layout.weight_specs(), replicated, layout.optimizer_specs(), replicated,
+                      accumulator_specs, PartitionSpec(axis), replicated),
+            out_specs=(grad_specs if apply else [], accumulator_specs, replicated,
+                       replicated),
+            manual_axes={axis})
+        return mapped(list(trainable), list(non_trainable), list(optimizer_vars),
+                      list(metrics_vars), list(accumulators), batch,
+                      (list(feature_state[0]), list(feature_state[1])))
