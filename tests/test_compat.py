@@ -180,3 +180,31 @@ def test_every_keras_accessor_is_tested_by_name(name):
     """Each accessor of `_compat.keras` appears in a test above (so none goes untested)."""
     source = pathlib.Path(__file__).read_text()
     assert source.count(f"keras_compat.{name}(") >= 1
+
+
+def test_model_building_finds_the_model_whose_fit_builds_the_optimizer():
+    """`model_building`: Keras' fit builds the optimizer from a method of the model."""
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=sparse_ce())
+    found = []
+    build = model.optimizer.build
+
+    def spy(variables):
+        found.append(keras_compat.model_building(model.optimizer))
+        return build(variables)
+
+    model.optimizer.build = spy
+    x = np.zeros((8,) + tuple(model.inputs[0].shape[1:]), "float32")
+    model.fit(x, np.zeros(8, "int32"), epochs=1, verbose=0)
+    assert found == [model]
+    assert keras_compat.model_building(model.optimizer) is None  # no fit on the stack
+
+
+def test_distribution_layout_map():
+    """`distribution_layout_map`: a ModelParallel's LayoutMap (built here without
+    touching a device), None for a distribution without one."""
+    mesh = keras.distribution.DeviceMesh((1,), ("batch",), ["CPU:0"])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    parallel = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    assert keras_compat.distribution_layout_map(parallel) is layout_map
+    assert keras_compat.distribution_layout_map(object()) is None

@@ -148,3 +148,18 @@ def test_examples_name_the_bad_argument(script, args, message, tmp_path):
     result = run_example(script, *args, cwd=tmp_path)
     assert result.returncode == 2
     assert message in result.stderr, result.stderr
+
+
+def test_fit_sharded_state_plans_shards_and_trains(tmp_path):
+    """The state (49.8 MiB a device) exceeds the 40 MiB budget: the search splits it,
+    the model is resharded in place and trains to the digits' usual accuracy."""
+    result = run_example("fit_sharded_state.py", "--epochs", 4, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = result.stdout
+    assert "-> fits with ShardedDataParallel(shard=" in out, out
+    state = re.search(r"state per device: ([\d.]+) MiB -> ([\d.]+) MiB; total ([\d.]+) MiB "
+                      r"-> ([\d.]+) MiB of ([\d.]+) MiB usable", out)
+    before, after, _, total, usable = map(float, state.groups())
+    assert after <= 0.5 * before and total <= usable
+    accuracy = float(re.search(r"validation accuracy: ([\d.]+)", out).group(1))
+    assert accuracy >= 0.9

@@ -17,6 +17,7 @@ from sharding_helpers import (
 )
 
 from keras_tpu_mem.accumulation import GradientAccumulation
+from keras_tpu_mem.engine.core import Engine
 from keras_tpu_mem.planning.compiled import compiled_memory
 from keras_tpu_mem.sharding import ShardedDataParallel, sharded_dim
 
@@ -138,6 +139,22 @@ def test_fit_matches_data_parallel_and_state_stays_split(reference, shard):
     for slot in _slots(model):
         assert (sharded_dim(slot) is None) == ("dense_out_bias" in slot.name), slot.path
         assert slot.value.sharding.mesh.shape == {"batch": 8}
+
+
+def test_a_plain_fit_in_the_scope_runs_the_engines_sharded_step(reference):
+    """No callback and no reshard: the optimizer's build under the distribution hands
+    the model to the engine, whose step gathers weights and reduce-scatters their
+    gradients (Keras' own step all-reduces whole gradients)."""
+    init, expected = reference
+    model = fit(ShardedDataParallel(), init=init)
+    engine = Engine.attach(model)
+    assert engine.num_builds >= 1 and max_diff(model, expected) <= 1e-5
+    state = tuple([v.value for v in group] for group in (
+        model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
+        model.metrics_variables))
+    with ShardedDataParallel().scope():
+        hlo = engine.backend_step.jitted_step.lower(state, data(32)).compile().as_text()
+    assert hlo.count(" reduce-scatter(") >= len(model.trainable_variables) - 1
 
 
 def test_steps_per_execution_matches_data_parallel(reference):

@@ -150,6 +150,38 @@ def set_variable_layout(variable, layout) -> None:
     variable._layout = layout
 
 
+def distribution_layout_map(distribution):
+    """A `keras.distribution.ModelParallel`'s `LayoutMap`, or None for another
+    distribution (3.12-3.16: `ModelParallel._layout_map`; Keras has no getter)."""
+    return getattr(distribution, "_layout_map", None)
+
+
+def model_building(optimizer):
+    """The `keras.Model` whose method is building `optimizer` now, or None.
+
+    3.12-3.16: `fit`, `evaluate` and `compile`'s symbolic build call
+    `self.optimizer.build(self.trainable_variables)` from a method of the model
+    (`Trainer._symbolic_build`), so a frame a few levels up holds the model as
+    `self`. Keras gives a distribution no other way to meet the model its
+    optimizer belongs to.
+    """
+    import sys
+
+    import keras
+
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, keras.Model):
+            own = getattr(candidate, "optimizer", None)
+            if own is optimizer or getattr(own, "inner_optimizer", None) is optimizer:
+                return candidate
+        frame = frame.f_back
+    return None
+
+
 def name_scope_callers() -> list:
     """The objects that opened the current Keras name scopes, innermost last (3.12-3.16:
     the global attribute `"name_scope_stack"` of `keras.src.backend.common.global_state`,

@@ -49,6 +49,9 @@ class Recommendation:
             backward pass (`ktm.Rematerialize`).
         compiled: Whether `total_bytes` comes from an XLA compile of the
             engine's step for `callbacks()` (the search), not from scaling.
+        sharding: The model state the search split over the data-parallel
+            devices (JAX): None (as planned), `"optimizer"` (the optimizer's
+            slots) or `"all"` (weights and slots); see `distribution()`.
     """
 
     accumulation_steps: int
@@ -57,6 +60,9 @@ class Recommendation:
     bf16: bool = False
     rematerialize: bool = False
     compiled: bool = False
+    sharding: str | None = None
+    #: The distribution the candidate was compiled under (None: none active).
+    compiled_under: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def callbacks(self) -> list:
         """The feature callbacks that realise this configuration, ready for `fit`.
@@ -70,8 +76,26 @@ class Recommendation:
         """
         return lever_callbacks(self.accumulation_steps, self.bf16, self.rematerialize)
 
+    def distribution(self):
+        """The `keras.distribution` this configuration was compiled under: a
+        `ShardedDataParallel` where the search split the state (`sharding`), else
+        the distribution active when planning (None: none was).
+
+        Example:
+
+        ```python
+        p = ktm.plan(model, 1024, device="16GiB-8", search=True)
+        ktm.reshard(model, p.recommendation.distribution())   # the state, in place
+        with p.recommendation.distribution().scope():
+            model.fit(x, y, batch_size=1024, callbacks=p.recommendation.callbacks())
+        ```
+        """
+        return self.compiled_under
+
     def describe(self) -> str:
         parts = []
+        if self.sharding is not None:
+            parts.append(f"ShardedDataParallel(shard={self.sharding!r})")
         if self.accumulation_steps > 1:
             parts.append(f"GradientAccumulation({self.accumulation_steps}) "
                          f"(micro-batch {self.micro_batch})")
@@ -197,6 +221,9 @@ class MemoryPlan:
         elif rec is not None and rec.compiled:
             lines.append(f"  -> fits with {rec.describe()}: {fb(rec.total_bytes)} compiled "
                          "(callbacks: plan.recommendation.callbacks())")
+            if rec.sharding is not None:
+                lines.append("     state: ktm.reshard(model, plan.recommendation.distribution()),"
+                             " then fit in its scope (or build the model there)")
         elif rec is not None:
             lines.append(
                 f"  -> fits with accumulation_steps={rec.accumulation_steps} "
@@ -243,11 +270,12 @@ def candidates_table(candidates, usable: int) -> str:
     fb = devices.format_bytes
     lines = ["  search (compiled, cheapest first):",
              f"    {'micro-batches':>13}  {'micro-batch':>11}  {'bf16':<4}  {'remat':<5}  "
-             f"{'total':>12}  fits"]
+             f"{'state split':<11}  {'total':>12}  fits"]
     for c in candidates:
         lines.append(
             f"    {c.accumulation_steps:>13}  {c.micro_batch:>11}  "
             f"{'yes' if c.bf16 else 'no':<4}  {'yes' if c.rematerialize else 'no':<5}  "
+            f"{c.sharding or 'no':<11}  "
             f"{fb(c.total_bytes):>12}  {'yes' if c.total_bytes <= usable else 'no'}")
     return "\n".join(lines)
 

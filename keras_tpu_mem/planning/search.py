@@ -9,10 +9,12 @@ trainable weights is not trusted (JAX's CPU compile did that at some small
 batches): the batch is doubled until the compile holds temporaries.
 
 The search compiles candidates built from the levers — gradient accumulation
-(divisors of the per-replica batch), bfloat16 compute, rematerialisation —
-cheapest first (fewest micro-batches; at equal micro-batches no recomputation
-before recomputation; float32 before bfloat16, which changes the numerics),
-and stops at the first that fits.
+(divisors of the per-replica batch), the model state split over the
+data-parallel devices (JAX), bfloat16 compute, rematerialisation — cheapest
+first (fewest micro-batches; at equal micro-batches the least communication:
+replicated, optimizer-sharded, fully sharded; then no recomputation before
+recomputation; float32 before bfloat16, which changes the numerics), and stops
+at the first that fits.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from keras_tpu_mem.planning.budget import (
     model_precision,
 )
 from keras_tpu_mem.planning.memory_plan import Recommendation, assemble, lever_callbacks
+from keras_tpu_mem.planning.sharding_lever import (
+    active_distribution,
+    compiling_under,
+    sharding_options,
+)
 from keras_tpu_mem.planning.specs import _spec_bytes, _unique, _variable_bytes
 
 #: Per-replica batches compiled directly by a plan with callbacks: at most this.
@@ -119,26 +126,34 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
 
     Each candidate is a `Recommendation` with `compiled=True` and its compiled
     total. Candidates: k in the divisors of `per_replica` (ascending); for each,
-    as it is, bfloat16 compute, rematerialisation, both (bfloat16 only when the
-    model computes in float32; rematerialisation where the backend supports it).
+    the state as the active distribution lays it out, then split over its
+    data-parallel devices (optimizer slots, then weights too: JAX,
+    `sharding_lever`); for each, as it is, bfloat16 compute,
+    rematerialisation, both (bfloat16 only when the model computes in
+    float32; rematerialisation where the backend supports it).
     """
     base = [f for f in base_features if f.name not in _LEVER_NAMES]
     bf16_options = [False, True] if model_precision(model) == "float32" else [False]
     # Rematerialisation where the backend has it as a lever (JAX: whole layers).
     remat_options = ([False, True] if backends.current("plan").compiled.REMATERIALIZE_LEVER
                      else [False])
+    active = active_distribution()
+    shardings = sharding_options(active)
     candidates = []
     for k in divisors(per_replica):
-        for remat in remat_options:
-            for bf16 in bf16_options:
-                features = base + lever_callbacks(k, bf16, remat)
-                step = CompiledStep(compile_fn, features, per_replica, cap, progress)
-                total = step.total_bytes(data_bytes)
-                rec = Recommendation(k, per_replica // k, int(total), bf16=bf16,
-                                     rematerialize=remat, compiled=True)
-                candidates.append(rec)
-                if total <= usable:
-                    return tuple(candidates), rec
+        for mode, distribution in shardings:
+            for remat in remat_options:
+                for bf16 in bf16_options:
+                    features = base + lever_callbacks(k, bf16, remat)
+                    with compiling_under(model, distribution, active):
+                        step = CompiledStep(compile_fn, features, per_replica, cap, progress)
+                    total = step.total_bytes(data_bytes)
+                    rec = Recommendation(k, per_replica // k, int(total), bf16=bf16,
+                                         rematerialize=remat, compiled=True, sharding=mode,
+                                         compiled_under=distribution)
+                    candidates.append(rec)
+                    if total <= usable:
+                        return tuple(candidates), rec
     return tuple(candidates), None
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.engine.core import engage
 from keras_tpu_mem.sharding.rule import (
     check_min_shard_bytes,
     check_shard,
@@ -146,6 +147,7 @@ class ShardedDataParallel(keras.distribution.ModelParallel):
         self.axis_size = int(mesh.shape[list(mesh.axis_names).index(axis_name)])
         self._pending = {}     # replicated variables not yet logged: path -> shape
         self._reported = set()
+        self._proposed = {}    # id(variable) -> layout while a plan compiles (`propose`)
 
     # ------------------------------------------------------------------ layouts
     def axes_for(self, path, shape, dtype, *, optimizer_state: bool = False) -> tuple:
@@ -181,6 +183,9 @@ class ShardedDataParallel(keras.distribution.ModelParallel):
         return keras.distribution.TensorLayout(axes, self.device_mesh)
 
     def get_variable_layout(self, variable):
+        proposed = self._proposed.get(id(variable))
+        if proposed is not None:
+            return proposed
         existing = keras_compat.variable_layout(variable)
         if existing is not None:
             return existing
@@ -188,6 +193,23 @@ class ShardedDataParallel(keras.distribution.ModelParallel):
         if optimizer is not None:
             watch_optimizer(optimizer)
         return self.layout_for(variable, optimizer_state=optimizer is not None)
+
+    def propose(self, layouts: dict) -> None:
+        """Answers `get_variable_layout` from `layouts` (`{id(variable): layout}`)
+        first, whatever layouts the variables carry, until `propose({})`: a plan
+        compiles a model built elsewhere as if it were laid out here, without
+        moving it (`sharding.layouts.proposed_layouts`)."""
+        self._proposed = dict(layouts)
+
+    def cache_key(self) -> tuple:
+        """What the layouts it gives depend on: a compile cache's key (an object's id
+        can be reused by a later distribution)."""
+        mesh = self.device_mesh
+        rules = tuple(self._layout_map.keys()) if len(self._layout_map) else ()
+        return (type(self).__name__, self.shard, self.axis_name, self.min_shard_bytes,
+                tuple(mesh.shape), tuple(mesh.axis_names),
+                tuple(str(d) for d in np.asarray(mesh.devices).flat), rules,
+                tuple(sorted(self._proposed)))
 
     def get_data_layout(self, data_shape):
         self.log_replicated()
@@ -314,6 +336,11 @@ def watch_optimizer(optimizer) -> None:
             for weight, layout in zip(weights, own):
                 keras_compat.set_variable_layout(weight, layout)
         distribution.lay_out_optimizer(optimizer, weights)
+        model = keras_compat.model_building(optimizer)
+        if model is not None:
+            # A fit in the scope then runs the engine's sharded step (all-gathered
+            # weights, reduce-scattered gradients) even with no feature callback.
+            engage(model)
         return result
 
     optimizer.build = build_and_lay_out

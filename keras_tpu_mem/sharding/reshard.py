@@ -5,28 +5,9 @@ from __future__ import annotations
 import keras
 
 from keras_tpu_mem import backends
-from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem.sharding.distribution import (
-    ShardedDataParallel,
-    reference_weight,
-    watch_optimizer,
-)
-
-
-def _unique(variables) -> list:
-    seen, out = set(), []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            out.append(variable)
-    return out
-
-
-def _fresh_layout(distribution, variable):
-    # Distributions answer a variable's own layout first (Keras' convention);
-    # forget it to ask the new distribution's rules.
-    keras_compat.set_variable_layout(variable, None)
-    return distribution.get_variable_layout(variable)
+from keras_tpu_mem.engine.core import engage
+from keras_tpu_mem.sharding.distribution import ShardedDataParallel, watch_optimizer
+from keras_tpu_mem.sharding.layouts import target_layouts
 
 
 def reshard(model, distribution):
@@ -41,8 +22,10 @@ def reshard(model, distribution):
     distribution they follow their weight, as Keras lays them out. The
     model's compiled train / test / predict functions are dropped, so a `fit`
     in `distribution.scope()` compiles for the new layouts and trains on as if
-    the model had been built there. An optimizer that is not built yet lays
-    its slots out when `fit` builds it in the scope.
+    the model had been built there; its `fit` is handed to the engine, whose
+    step for state split over the data axis all-gathers each weight where it
+    is used and reduce-scatters its gradient (docs/engine.md). An optimizer
+    that is not built yet lays its slots out when `fit` builds it in the scope.
 
     Args:
         model: A `keras.Model` (built or not, compiled or not).
@@ -84,30 +67,17 @@ def reshard(model, distribution):
                         "ShardedDataParallel or DataParallel), got "
                         f"{type(distribution).__name__}.")
     optimizer = getattr(model, "optimizer", None)
-    slots = _unique(optimizer.variables) if optimizer is not None else []
-    slot_ids = {id(v) for v in slots}
-    variables = [v for v in _unique([*model.variables, *model.metrics_variables])
-                 if id(v) not in slot_ids]
     sharded = isinstance(distribution, ShardedDataParallel)
     with distribution.scope():
-        new = {id(v): _fresh_layout(distribution, v) for v in variables}
-        for variable in variables:
-            concern.move(variable, new[id(variable)])
-        if sharded and optimizer is not None:
-            layouts = distribution.slot_layouts(optimizer, model.trainable_variables)
-        else:
-            layouts = {}
-            for slot in slots:
-                weight = reference_weight(slot, model.trainable_variables)
-                layouts[id(slot)] = (new[id(weight)] if weight is not None
-                                     else _fresh_layout(distribution, slot))
-        for slot in slots:
-            concern.move(slot, layouts[id(slot)])
+        variables, slots, layouts = target_layouts(model, distribution)
+        for variable in [*variables, *slots]:
+            concern.move(variable, layouts[id(variable)])
     if optimizer is not None and sharded:
         watch_optimizer(optimizer)
     if sharded:
         distribution.log_replicated()
     model.train_function = model.test_function = model.predict_function = None
+    engage(model)  # its next fit asks whether the state needs the engine's sharded step
     return model
 
 

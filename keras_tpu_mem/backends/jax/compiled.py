@@ -31,6 +31,9 @@ UNIT = "device"
 TABLE_SCOPE = "per device"
 # Whole layers can be recomputed on JAX (`Rematerialize(mode="layers")`).
 REMATERIALIZE_LEVER = True
+# `plan(..., search=True)` also tries the state split over the data-parallel
+# devices of the active distribution (ShardedDataParallel).
+SHARDING_LEVER = True
 # `plan` without callbacks compiles the step at the plan's batch: JAX compiles
 # are cheap, and small-batch compiles of its step do not extrapolate linearly.
 ESTIMATES = False
@@ -128,8 +131,11 @@ def device_shape(shape, variable=None) -> tuple:
 
 
 def cache_scope():
-    """The distribution: its layouts change the compiled program."""
-    return id(_distribution())
+    """The distribution: its layouts change the compiled program. One that says what
+    its layouts depend on (`cache_key()`) is keyed by that, others by identity."""
+    distribution = _distribution()
+    key = getattr(distribution, "cache_key", None)
+    return key() if callable(key) else id(distribution)
 
 
 def _struct(shape, dtype, sharding):

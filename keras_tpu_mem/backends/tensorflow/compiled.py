@@ -8,7 +8,8 @@ Contract (same in `backends/jax/compiled.py`; `keras_tpu_mem.planning` reads it)
 
 * `UNIT`: what one compile's bytes are of (`"replica"`); `TABLE_SCOPE`: how a
   `CompiledMemory` table names its batch (`"per-replica"`).
-* `REMATERIALIZE_LEVER`: whether `plan(..., search=True)` tries `Rematerialize()`.
+* `REMATERIALIZE_LEVER`: whether `plan(..., search=True)` tries `Rematerialize()`;
+  `SHARDING_LEVER`: whether it tries the state split over the data-parallel devices.
 * `PULLED_STEP`: why a feature that pulls micro-batches from the dataset has
   no step to compile, and what to plan instead.
 * `make_spec(shape, dtype_name)`: a static spec of one tensor.
@@ -47,6 +48,8 @@ TABLE_SCOPE = "per-replica"
 # crash in fit, keras-team/keras#21207), which XLA mostly fuses already: not a
 # lever worth a compile per candidate.
 REMATERIALIZE_LEVER = False
+# State split over the data-parallel devices is a keras.distribution (JAX) lever.
+SHARDING_LEVER = False
 # `plan` without callbacks: compiles at small per-replica batches, extrapolated
 # (each TensorFlow compile of a large batch takes seconds to minutes).
 ESTIMATES = True

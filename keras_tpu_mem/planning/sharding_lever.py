@@ -1,0 +1,88 @@
+"""The search's sharding lever: the model state split over the data-parallel devices.
+
+`plan(..., search=True)` under a `keras.distribution` whose batch axis spans more
+than one device (JAX) also compiles each candidate with the state laid out by a
+`ShardedDataParallel` over the same devices — the optimizer's slots (ZeRO-1), then
+weights and slots (FSDP) — without moving the model: the candidate's layouts are
+proposed to the compile (`sharding.layouts.proposed_layouts`). Least communication
+first: replicated, then optimizer-sharded, then fully sharded, each from the
+active distribution's own level up (a model already fully sharded is not offered
+less).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import numpy as np
+
+from keras_tpu_mem import backends
+from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem.sharding.distribution import ShardedDataParallel
+from keras_tpu_mem.sharding.layouts import proposed_layouts
+
+#: State split modes, least communication first (None: replicated).
+MODES = (None, "optimizer", "all")
+
+
+def _data_axis_size(distribution) -> int:
+    mesh = distribution.device_mesh
+    names = list(mesh.axis_names)
+    if distribution.batch_dim_name not in names:
+        return 1
+    return int(mesh.shape[names.index(distribution.batch_dim_name)])
+
+
+def sharding_options(distribution) -> list:
+    """`[(mode, distribution)]` for the search, least communication first.
+
+    Args:
+        distribution: The active `keras.distribution` (None: none).
+
+    Returns:
+        The active distribution at its own level, then a `ShardedDataParallel`
+        per more-sharded mode over the same devices (and the same `LayoutMap`
+        rules under a `ModelParallel`); only the first where the backend has
+        no such lever or the batch axis spans one device.
+    """
+    if isinstance(distribution, ShardedDataParallel):
+        own = distribution.shard
+    else:
+        own = None
+    options = [(own, distribution)]
+    if (distribution is None or not backends.current("plan").compiled.SHARDING_LEVER
+            or _data_axis_size(distribution) < 2):
+        return options
+    layout_map = keras_compat.distribution_layout_map(distribution)
+    if layout_map is not None and not len(layout_map):
+        layout_map = None
+    for mode in MODES[MODES.index(own) + 1:]:
+        kwargs = {"shard": mode, "axis_name": distribution.batch_dim_name}
+        if layout_map is not None:
+            kwargs["layout_map"] = layout_map
+        else:
+            kwargs["devices"] = list(np.asarray(distribution.device_mesh.devices).flat)
+        if isinstance(distribution, ShardedDataParallel):
+            kwargs["min_shard_bytes"] = distribution.min_shard_bytes
+        options.append((mode, ShardedDataParallel(**kwargs)))
+    return options
+
+
+@contextlib.contextmanager
+def compiling_under(model, distribution, active):
+    """Compiles in the block see `model`'s state as `distribution` lays it out (the
+    active one as it is)."""
+    if distribution is active:
+        yield
+        return
+    with proposed_layouts(model, distribution):
+        yield
+
+
+def active_distribution():
+    """The `keras.distribution` the plan compiles under (None: none)."""
+    return keras.distribution.distribution()
+
+
+__all__ = ["MODES", "active_distribution", "compiling_under", "sharding_options"]
