@@ -59,11 +59,16 @@ def toy_data(n=160, inputs=16, classes=8, seed=0):
 
 
 def make_distribution(case: str, output_layouts=None):
-    """None, DataParallel over 8 devices, or ModelParallel on a (2, 4) mesh with the
+    """None, DataParallel over 8 devices, ModelParallel on a (2, 4) mesh with the
     Dense kernels sharded on the model axis (and `output_layouts`, more LayoutMap
-    entries, e.g. `{".*dense_in/output": ("batch", "model")}`)."""
+    entries, e.g. `{".*dense_in/output": ("batch", "model")}`), or "fsdp8":
+    `ktm.ShardedDataParallel()` over 8 devices (weights and slots split)."""
     if case == "none":
         return None
+    if case == "fsdp8":
+        from keras_tpu_mem.sharding import ShardedDataParallel
+
+        return ShardedDataParallel(devices=jax.devices()[:8])
     if case == "dp8":
         return keras.distribution.DataParallel(devices=jax.devices()[:8])
     if case == "mp2x4":

@@ -20,7 +20,7 @@ from keras_tpu_mem import monitoring as mon
 from keras_tpu_mem.monitoring import _allocators as allocators
 
 
-@pytest.mark.parametrize("case", ["dp8", "mp2x4"])
+@pytest.mark.parametrize("case", ["dp8", "mp2x4", "fsdp8"])
 def test_host_devices_of_a_distribution_share_one_process_entry(case, tmp_path, ktm_records):
     distribution = make_distribution(case)
     x, y = cases.random_data(512)

@@ -70,7 +70,7 @@ def test_two_windows_give_two_runs(tmp_path):
         [(2, 3), (6, 7)]
 
 
-@pytest.mark.parametrize("case", ["dp8", "mp2x4"])
+@pytest.mark.parametrize("case", ["dp8", "mp2x4", "fsdp8"])
 def test_window_under_a_distribution(case, tmp_path):
     x, y = random_data(256)
     with scope(make_distribution(case)):  # (2, 4): widths that divide by the model axis

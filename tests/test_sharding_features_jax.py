@@ -57,3 +57,78 @@ def test_pruning_distillation_bf16_and_accumulation_together(digits):
     for weight in pruning._weights:
         assert weight.mask.value.sharding == weight.variable.value.sharding, weight.path
     assert sharded_dim(teacher.layers[0].kernel) is not None
+
+
+def test_out_of_memory_under_data_parallel_recommends_splitting_the_state():
+    """An OOM whose cure is sharding: the replicated state alone exceeds the budget,
+    so the explanation's search ends at a ShardedDataParallel and says how to apply it."""
+    import jax
+    from sharding_helpers import compile_adam, issue_mlp
+
+    from keras_tpu_mem.engine import EngineCallback
+    from keras_tpu_mem.planning import StepOutOfMemoryError, compiled_memory, set_oom_device
+    from keras_tpu_mem.sharding import reshard
+
+    class InjectedOOM(EngineCallback):
+        name = "injected_oom"
+        armed = True
+
+        def transform_loss(self, loss, ctx):
+            if InjectedOOM.armed:
+                InjectedOOM.armed = False  # the explanation's compiles trace it again
+                raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory.")
+            return loss
+
+    data_parallel = keras.distribution.DataParallel()
+    x = np.zeros((1024, 512), "float32")
+    y = np.zeros((1024,), "int32")
+    with data_parallel.scope():
+        model = compile_adam(issue_mlp())
+        replicated = compiled_memory(model, 1024, hlo_text=False)
+        budget = int(0.5 * replicated.total_bytes)
+        set_oom_device(f"{budget}B")
+        try:
+            with pytest.raises(StepOutOfMemoryError) as info:
+                model.fit(x, y, batch_size=1024, epochs=1, verbose=0,
+                          callbacks=[InjectedOOM()])
+        finally:
+            set_oom_device(None)
+    message = str(info.value)
+    rec = info.value.plan.recommendation
+    assert rec is not None and rec.sharding is not None, message
+    assert "ShardedDataParallel(shard=" in message and "ktm.reshard(model" in message
+    distribution = rec.distribution()
+    reshard(model, distribution)
+    with distribution.scope():
+        check = compiled_memory(model, 1024, callbacks=rec.callbacks(), hlo_text=False)
+    assert check.total_bytes <= budget
+
+
+def test_cached_teacher_logits_train_as_under_data_parallel():
+    """Distillation from cached logits (no teacher in the step) under the state split
+    over 8 devices gives DataParallel's student (same logits, same initial weights)."""
+    from sharding_helpers import data, max_diff, small_model
+
+    from keras_tpu_mem.distillation import cache_teacher_logits, prepare_student
+
+    x, y = data()
+    teacher = small_model(seed=3)
+    cached = cache_teacher_logits(teacher, (x, y), batch_size=32)
+    init = small_model().get_weights()
+
+    def distil(distribution):
+        with distribution.scope():
+            student = small_model()
+            student.set_weights(init)
+            student.compile(optimizer=keras.optimizers.Adam(1e-2),
+                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            prepare_student(student, cached)
+            student.fit(cached, epochs=1, verbose=0, shuffle=False,
+                        callbacks=[Distillation(temperature=2.0, alpha=0.5)])
+        return student
+
+    reference = distil(keras.distribution.DataParallel())
+    sharded = distil(ShardedDataParallel())
+    assert int(sharded.optimizer.iterations) == 5
+    assert max_diff(sharded, reference) <= 1e-5
+    assert sharded_dim(sharded.layers[0].kernel) is not None

@@ -152,6 +152,11 @@ def explain_out_of_memory(model, features, global_batch_size, error,
                      f"{fb(rec.total_bytes)} compiled. Pass callbacks="
                      f"{_callbacks_repr(rec, features)} to fit "
                      "(ktm.plan(..., search=True).recommendation.callbacks()).")
+        if rec.sharding is not None:
+            lines.append(f"It splits the model state over the data-parallel devices "
+                         f"(shard={rec.sharding!r}): ktm.reshard(model, "
+                         "error.plan.recommendation.distribution()) moves it in place; "
+                         "then fit in that distribution's scope.")
         if memory.candidates:
             lines.append(candidates_table(memory.candidates, memory.usable_bytes))
     elif searched:
