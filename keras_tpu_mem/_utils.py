@@ -25,3 +25,13 @@ def check_positive_int(value, name: str) -> int:
     if value < 1:
         raise ValueError(f"`{name}` must be an int >= 1, got {value}.")
     return value
+
+
+def unique(items) -> list:
+    """`items` without repeats by identity (a shared layer's weights once), in order."""
+    seen, out = set(), []
+    for item in items:
+        if id(item) not in seen:
+            seen.add(id(item))
+            out.append(item)
+    return out

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from keras_tpu_mem import backends, devices
-from keras_tpu_mem._utils import check_positive_int, logger
+from keras_tpu_mem._utils import check_positive_int, logger, unique
 from keras_tpu_mem.sharding.distribution import ShardedDataParallel
 from keras_tpu_mem.sharding.rule import check_shard
 
@@ -283,8 +283,8 @@ class TPUStrategyWrapper:
                     f"dimension {self.num_replicas} divides, the rest whole "
                     f"(sharding={self.sharding!r})")
         optimizer = getattr(model, "optimizer", None)
-        weights = _unique(model.weights)
-        slots = [v for v in _unique(optimizer.variables if optimizer is not None else [])
+        weights = unique(model.weights)
+        slots = [v for v in unique(optimizer.variables if optimizer is not None else [])
                  if id(v) not in {id(w) for w in weights}]
         held_w = self._placement.state_bytes(weights)
         held_o = self._placement.state_bytes(slots)
@@ -309,15 +309,6 @@ def check_sharding(sharding):
     except ValueError:
         raise ValueError(f'`sharding` must be "all", "optimizer" or None, got '
                          f"{sharding!r}.") from None
-
-
-def _unique(variables) -> list:
-    seen, out = set(), []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            out.append(variable)
-    return out
 
 
 def _full_bytes(variable) -> int:

@@ -6,17 +6,8 @@ from __future__ import annotations
 import contextlib
 
 from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem._utils import unique
 from keras_tpu_mem.sharding.distribution import ShardedDataParallel, reference_weight
-
-
-def unique(variables) -> list:
-    """`variables` without repeats (a shared layer's weights once), in order."""
-    seen, out = set(), []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            out.append(variable)
-    return out
 
 
 def _fresh_layout(distribution, variable):
@@ -76,4 +67,4 @@ def proposed_layouts(model, distribution: ShardedDataParallel):
             distribution.propose({})
 
 
-__all__ = ["proposed_layouts", "target_layouts", "unique"]
+__all__ = ["proposed_layouts", "target_layouts"]

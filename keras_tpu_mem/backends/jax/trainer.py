@@ -24,15 +24,14 @@ this module is that step on JAX, where Keras' `fit` calls
   array XLA puts the gradient all-reduce inside the loop: one per
   micro-batch), and no resharding of the batch.
 * **micro-batches pulled from the data** (`dataset_yields="micro_batches"`,
-  `backends/jax/trainer_pulled.py`): each micro-batch is one call of an accumulating or (the
+  `trainer_pulled.py`): each micro-batch is one call of an accumulating or (the
   k-th) applying jitted step, `(state, accumulators, data)`; the accumulators
-  are arrays held by the train function (a leading per-device axis on the
-  batch axis under a data-parallel axis >1, filled inside `shard_map`), so
-  gradients are reduced once per update, in the applying step.
+  are arrays held by the train function (a leading per-device axis on a
+  data-parallel axis >1), so gradients are reduced once, in the applying step.
 * **sharded state** (a state value's sharding names the batch axis: FSDP /
-  ZeRO): the gradient in `shard_map` with an `all_gather` per sharded weight
-  and reduce-scatters (`backends/jax/trainer_sharded.py`); `fit` runs it even
-  without features once `engine.core.engage(model)` was called.
+  ZeRO): the gradient in `shard_map`, an `all_gather` per sharded weight and
+  reduce-scatters (`trainer_sharded.py`); run without features too once
+  `engine.core.engage(model)` was called.
 * **"Per replica" on JAX** means per data-parallel shard: the global batch
   divided by the size of the distribution's batch axis (`DataParallel(8)`: per
   device; `ModelParallel` on a (2, 4) mesh: per group of 4 devices that share
