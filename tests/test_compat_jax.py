@@ -12,6 +12,7 @@ from helpers_jax import make_distribution, mlp, scope, sparse_ce, toy_data
 from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem._compat import keras as keras_compat
 
 
 def _compiled(distribution=None):
@@ -172,3 +173,11 @@ def test_memory_analysis_reads_the_compiled_step_and_refuses_none():
 def test_backends_initialized():
     jax.devices()  # the suite has started JAX's backends by now; make sure
     assert jax_compat.backends_initialized() is True
+
+
+def test_distribution_layout_map_of_a_model_parallel():
+    mesh = keras.distribution.DeviceMesh((2, 4), ["batch", "model"], jax.devices()[:8])
+    layout_map = keras.distribution.LayoutMap(mesh)
+    parallel = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    assert keras_compat.distribution_layout_map(parallel) is layout_map
+    assert keras_compat.distribution_layout_map(keras.distribution.DataParallel()) is None
