@@ -204,10 +204,45 @@ class Compiler:
             hlo_text=stats["hlo_text"],
             backend=self.backend_name,
             devices=stats["devices"],
+            layer_source=_LayerSource(self, xs, ys, features, description),
         )
         cache[key] = result
         logger.debug("%s: compiled the step at batch %d: %s", self.what, global_batch, result)
         return result
+
+
+class _LayerSource:
+    """Builds `CompiledMemory.by_layer()`'s table on demand: the same step compiled again
+    with XLA's buffer assignment written out, under the distribution it was compiled
+    for. Holds the model weakly (results are cached per model)."""
+
+    def __init__(self, compiler, xs, ys, features, description):
+        self.model = weakref.ref(compiler.model)
+        self.backend_name = compiler.backend_name
+        self.scope = compiler.backend.compile_scope()
+        self.args = (xs, ys, tuple(features), description)
+        self.table = None
+
+    def __call__(self):
+        if self.table is not None:
+            return self.table
+        from keras_tpu_mem.planning.by_layer import LayerTable
+
+        model = self.model()
+        if model is None:
+            raise ValueError("by_layer(): the model this step was compiled for is gone.")
+        backend = backends.get(self.backend_name)
+        layers = backend.compiled_layers
+        layers.require()
+        xs, ys, features, description = self.args
+        with self.scope():
+            stats = backend.compiled.compile_step(model, xs, ys, features, compile_context,
+                                                  False, description, dump=True)
+            rows, peak = layers.layer_rows(model, stats["dump"], backend.compiled.device_shape)
+        total = (stats["argument"] + stats["temp"] + stats["live_out"] - stats["alias"]
+                 + stats["constant"])
+        self.table = LayerTable(rows, peak, total)
+        return self.table
 
 
 def check_callbacks(callbacks, what: str) -> tuple:

@@ -1,0 +1,263 @@
+"""Memory by Keras layer on JAX: XLA's buffer assignment and live ranges, read by `op_name`.
+
+`compiled.compile_step(..., dump=True)` has XLA write three texts of the optimized
+module (`_compat.jax.compile_with_dump`): the HLO with each instruction's metadata,
+the buffer assignment (every logical buffer, its size and defining instruction) and
+the live ranges (the instruction sequence, each buffer's first and last step, and the
+buffers live at the peak). Here each buffer is attributed to a row:
+
+* an entry parameter named `state[i][j]` is the j-th variable of the state `fit`
+  passes (trainable, non-trainable, optimizer, metrics): its layer (a weight), the
+  layer of the weight an optimizer slot tracks, the "optimizer" row (its other
+  state) or "unattributed" (metric state); `data[...]` is the "inputs" row;
+* any other instruction by its `op_name`, e.g. `jit(train_step)/jvp(wide)/dot_general`
+  (forward) or `.../transpose(jvp(wide))/select_n` (backward): the deepest scope that
+  names a layer of the model;
+* an instruction whose `op_name` names no layer (copies, bitcasts, the loss, the
+  optimizer's update) by its fused computation, then by its operands, so a copy of a
+  weight or the new value of a slot counts to that layer.
+
+Contract (the TensorFlow module has the same function):
+`layer_rows(model, texts, device_shape)` -> `(rows, peak_bytes)`, `rows` a dict
+`{row: [weights, optimizer, saved_activations, at_peak]}` in bytes per device.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import keras
+import numpy as np
+
+from keras_tpu_mem._compat import keras as keras_compat
+
+OPTIMIZER, INPUTS, UNATTRIBUTED = "optimizer", "inputs", "unattributed"
+_WEIGHTS, _OPTIMIZER, _SAVED, _PEAK = range(4)
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
+_COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_STATE = re.compile(r"^state\[(\d+)\]\[(\d+)\]$")
+_VALUE = re.compile(r"<\d+ ([\w.\-]+(?:\{[\d,]*\})?) @\d+> \(size=(\d+),")
+_RANGE = re.compile(r"^\s+([\w.\-]+)(\{[\d,]*\}):(\d+)-(\d+)\s*$")
+_PEAK_LINE = re.compile(r"^\s+([\w.\-]+)(\{[\d,]*\}): (\d+) bytes")
+_SEQUENCE = re.compile(r"^\s+(\d+):([\w.\-]+)\s*$")
+
+
+def _key(name: str, index: str = "{}") -> str:
+    return name if index in ("", "{}") else name + index
+
+
+# ----------------------------------------------------------------- the model
+def _layer_paths(model) -> dict:
+    """`{id(layer): (layer, path)}`, nested layers by their path inside the model; a
+    layer reached twice (shared) keeps its first path."""
+    paths = {}
+
+    def walk(layer, prefix):
+        for sub in keras_compat.flatten_layers(layer, include_self=False, recursive=False):
+            if id(sub) in paths or isinstance(sub, keras.layers.InputLayer):
+                continue
+            path = f"{prefix}/{sub.name}" if prefix else sub.name
+            paths[id(sub)] = (sub, path)
+            walk(sub, path)
+
+    walk(model, "")
+    return paths
+
+
+def _owners(model, paths) -> dict:
+    """`{id(variable): row}`: the deepest layer that holds each weight."""
+    owner, depth = {}, {}
+    for layer, path in paths.values():
+        level = path.count("/")
+        for variable in layer.weights:
+            if depth.get(id(variable), -1) < level:
+                owner[id(variable)], depth[id(variable)] = path, level
+    return owner
+
+
+def _slot_rows(model, owner) -> dict:
+    """`{id(optimizer variable): row}`. Keras names a slot after the variable it tracks
+    (`add_variable_from_reference`: the variable's path with `_` for `/`, then `_` and
+    the slot's name); a variable it tracks none of is the "optimizer" row."""
+    prefixes = sorted(((v.path.replace("/", "_") + "_", owner.get(id(v), UNATTRIBUTED))
+                       for v in model.trainable_variables), key=lambda p: -len(p[0]))
+    rows = {}
+    for variable in model.optimizer.variables:
+        name = variable.name
+        rows[id(variable)] = next((row for prefix, row in prefixes
+                                   if name.startswith(prefix)), OPTIMIZER)
+    return rows
+
+
+def _bytes(variable, device_shape) -> int:
+    shape = device_shape(variable.shape, variable)
+    return int(math.prod(shape)) * np.dtype(keras.backend.standardize_dtype(
+        variable.dtype)).itemsize
+
+
+# ------------------------------------------------------------------- the texts
+def _parse_hlo(text: str):
+    """`{instruction: (op_name, operands, calls, computation)}` and `{computation: [names]}`."""
+    instructions, computations, current = {}, {}, None
+    for line in text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head and " = " not in line:
+            current = head.group(2)
+            computations[current] = []
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match or current is None:
+            continue
+        name, rest = match.groups()
+        op_name = _OP_NAME.search(rest)
+        body = rest.split(", metadata=")[0]
+        calls = _CALLS.search(body)
+        operands = re.findall(r"%([\w.\-]+)", body)
+        instructions[name] = (op_name.group(1) if op_name else "", operands,
+                              calls.group(1) if calls else None, current)
+        computations[current].append(name)
+    return instructions, computations
+
+
+def _parse_live(text: str):
+    """The sequence `{instruction: step}`, `{buffer: (start, end)}` and the peak's
+    `{buffer: bytes}`."""
+    sequence, ranges, peak, in_peak = {}, {}, {}, False
+    for line in text.splitlines():
+        if "Live ranges at" in line and "(peak)" in line:
+            in_peak = True
+            continue
+        if in_peak:
+            match = _PEAK_LINE.match(line)
+            if match:
+                peak[_key(match.group(1), match.group(2))] = int(match.group(3))
+                continue
+            if line.strip():
+                in_peak = False
+        match = _SEQUENCE.match(line)
+        if match:
+            sequence.setdefault(match.group(2), int(match.group(1)))
+            continue
+        match = _RANGE.match(line)
+        if match:
+            ranges[_key(match.group(1), match.group(2))] = (int(match.group(3)),
+                                                             int(match.group(4)))
+    return sequence, ranges, peak
+
+
+def _parse_sizes(text: str) -> dict:
+    """`{buffer: bytes}` of every logical buffer in the buffer assignment."""
+    sizes = {}
+    for name, size in _VALUE.findall(text):
+        base, _, index = name.partition("{")
+        sizes[_key(base, "{" + index if index else "")] = int(size)
+    return sizes
+
+
+# ------------------------------------------------------------- attribution
+class _Attributor:
+    """Row and kind (`param`, `forward`, `backward`, `other`) of each instruction."""
+
+    def __init__(self, instructions, computations, names, state_rows):
+        self.instructions, self.computations = instructions, computations
+        self.names, self.state_rows = names, state_rows
+        self.memo = {}
+
+    def layer_of(self, op_name: str):
+        scopes = [s for s in re.sub(r"[\w\-]+\(", "", op_name).replace(")", "").split("/") if s]
+        for i in range(len(scopes) - 1, -1, -1):
+            candidates = self.names.get(scopes[i])
+            if candidates:
+                # Same name in two places: the path that matches most enclosing scopes.
+                return max(candidates, key=lambda p: sum(s in scopes[:i] for s in
+                                                         p.split("/")[:-1]))
+        return None
+
+    def __call__(self, name: str, seen=()):
+        if name in self.memo:
+            return self.memo[name]
+        found = self._resolve(name, seen + (name,))
+        self.memo[name] = found
+        return found
+
+    def _resolve(self, name, seen):
+        entry = self.instructions.get(name)
+        if entry is None:
+            return UNATTRIBUTED, "other"
+        op_name, operands, calls, _ = entry
+        state = _STATE.match(op_name)
+        if state:
+            return self.state_rows.get((int(state.group(1)), int(state.group(2))),
+                                       UNATTRIBUTED), "param"
+        if op_name.startswith("data["):
+            return INPUTS, "param"
+        layer = self.layer_of(op_name)
+        if layer is not None:
+            return layer, "backward" if "transpose(" in op_name else (
+                "forward" if "jvp(" in op_name else "other")
+        if calls in self.computations:  # a fusion: what its instructions name
+            for inner in reversed(self.computations[calls]):
+                layer = self.layer_of(self.instructions[inner][0])
+                if layer is not None:
+                    inner_op = self.instructions[inner][0]
+                    return layer, "backward" if "transpose(" in inner_op else (
+                        "forward" if "jvp(" in inner_op else "other")
+        for operand in operands:  # copies, bitcasts, the loss, the update
+            if operand in seen or operand not in self.instructions:
+                continue
+            row, kind = self(operand, seen)
+            if row != UNATTRIBUTED:
+                return row, kind
+        return UNATTRIBUTED, "other"
+
+
+def layer_rows(model, texts: dict, device_shape):
+    """Rows `{row: [weights, optimizer, saved_activations, at_peak]}` and the peak bytes."""
+    paths = _layer_paths(model)
+    owner = _owners(model, paths)
+    slots = _slot_rows(model, owner)
+    rows = {path: [0, 0, 0, 0] for _, path in paths.values()}
+    for row in (OPTIMIZER, INPUTS, UNATTRIBUTED):
+        rows[row] = [0, 0, 0, 0]
+    for variable in {id(v): v for v in model.weights}.values():
+        rows[owner.get(id(variable), UNATTRIBUTED)][_WEIGHTS] += _bytes(variable, device_shape)
+    for variable in model.optimizer.variables:
+        rows[slots[id(variable)]][_OPTIMIZER] += _bytes(variable, device_shape)
+
+    state = (model.trainable_variables, model.non_trainable_variables,
+             model.optimizer.variables, model.metrics_variables)
+    state_rows = {}
+    for i, variables in enumerate(state):
+        for j, variable in enumerate(variables):
+            state_rows[(i, j)] = (slots[id(variable)] if i == 2
+                                  else owner.get(id(variable), UNATTRIBUTED))
+    names = {}
+    for _, path in paths.values():
+        names.setdefault(path.rsplit("/", 1)[-1], []).append(path)
+
+    instructions, computations = _parse_hlo(texts["hlo"])
+    sequence, ranges, peak = _parse_live(texts["live"])
+    sizes = _parse_sizes(texts["buffers"])
+    attribute = _Attributor(instructions, computations, names, state_rows)
+
+    for buffer, size in peak.items():
+        rows[attribute(buffer.split("{")[0])[0]][_PEAK] += size
+    # The backward pass starts at the first scheduled instruction of a transpose.
+    starts = [step for inst, step in sequence.items()
+              if "transpose(" in instructions.get(inst, ("",))[0]]
+    if starts:
+        begin = min(starts)
+        for buffer, (first, last) in ranges.items():
+            if first < begin <= last:
+                row, kind = attribute(buffer.split("{")[0])
+                if kind == "forward":
+                    rows[row][_SAVED] += sizes.get(buffer, 0)
+    return rows, sum(peak.values())
+
+
+def require() -> None:
+    """Nothing: JAX reads the attribution from XLA's dump."""
