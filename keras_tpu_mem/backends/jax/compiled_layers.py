@@ -100,9 +100,15 @@ def _bytes(variable, device_shape) -> int:
 
 
 # ------------------------------------------------------------------- the texts
+_OPCODE = re.compile(r"(?:^|\s)([a-z][a-z\-]*)\(")
+_TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+
+
 def _parse_hlo(text: str):
-    """`{instruction: (op_name, operands, calls, computation)}` and `{computation: [names]}`."""
-    instructions, computations, current = {}, {}, None
+    """`{instruction: (op_name, operands, calls, computation)}`, `{computation: [names]}`
+    and `{instruction: (opcode, tuple index, while body), ("root", computation): root}`."""
+    instructions, computations, current, shape = {}, {}, None, {}
     for line in text.splitlines():
         head = _COMPUTATION.match(line)
         if head and " = " not in line:
@@ -119,8 +125,14 @@ def _parse_hlo(text: str):
         operands = re.findall(r"%([\w.\-]+)", body)
         instructions[name] = (op_name.group(1) if op_name else "", operands,
                               calls.group(1) if calls else None, current)
+        opcode, index, body_of = (_OPCODE.search(body), _TUPLE_INDEX.search(body),
+                                  _BODY.search(body))
+        shape[name] = (opcode.group(1) if opcode else "", int(index.group(1)) if index else None,
+                       body_of.group(1) if body_of else None)
         computations[current].append(name)
-    return instructions, computations
+        if line.lstrip().startswith("ROOT"):
+            shape[("root", current)] = name
+    return instructions, computations, shape
 
 
 def _parse_live(text: str):
@@ -162,8 +174,8 @@ def _parse_sizes(text: str) -> dict:
 class _Attributor:
     """Row and kind (`param`, `forward`, `backward`, `other`) of each instruction."""
 
-    def __init__(self, instructions, computations, names, state_rows):
-        self.instructions, self.computations = instructions, computations
+    def __init__(self, instructions, computations, shape, names, state_rows):
+        self.instructions, self.computations, self.shape = instructions, computations, shape
         self.names, self.state_rows = names, state_rows
         self.memo = {}
 
@@ -177,11 +189,50 @@ class _Attributor:
                                                          p.split("/")[:-1]))
         return None
 
+    def is_backward(self, name: str) -> bool:
+        """An instruction of the backward pass, or a fusion that holds one."""
+        op_name, _, calls, _ = self.instructions.get(name, ("", (), None, None))
+        if "transpose(" in op_name:
+            return True
+        return any("transpose(" in self.instructions[inner][0]
+                   for inner in self.computations.get(calls, ()))
+
+    def buffer(self, buffer: str):
+        """The row and kind of a buffer `name` or `name{k}` (an element of a tuple)."""
+        name, _, index = buffer.partition("{")
+        index = index.rstrip("}")
+        if index and "," not in index:
+            element = self._element(name, int(index), ())
+            if element is not None:
+                return element
+        return self(name)
+
+    def _element(self, name, k, seen):
+        """Element k of a tuple-shaped value: the loop state of a while (an accumulator,
+        the operand its body's root tuple puts there), a tuple's operand, a
+        get-tuple-element's source."""
+        if name in seen or name not in self.instructions:
+            return None
+        seen = seen + (name,)
+        opcode, index, body = self.shape.get(name, ("", None, None))
+        operands = self.instructions[name][1]
+        if opcode == "tuple" and k < len(operands):
+            return self(operands[k], seen)
+        if opcode == "get-tuple-element" and operands and index is not None:
+            return self._element(operands[0], index, seen)
+        computation = body if opcode == "while" else (
+            self.instructions[name][3] if opcode == "parameter" else None)
+        root = self.shape.get(("root", computation))
+        if root is not None:
+            return self._element(root, k, seen)
+        return None
+
     def __call__(self, name: str, seen=()):
         if name in self.memo:
             return self.memo[name]
         found = self._resolve(name, seen + (name,))
-        self.memo[name] = found
+        if found[0] != UNATTRIBUTED or not seen:
+            self.memo[name] = found
         return found
 
     def _resolve(self, name, seen):
@@ -189,6 +240,11 @@ class _Attributor:
         if entry is None:
             return UNATTRIBUTED, "other"
         op_name, operands, calls, _ = entry
+        opcode, index, _ = self.shape.get(name, ("", None, None))
+        if opcode == "get-tuple-element" and operands and index is not None:
+            element = self._element(operands[0], index, seen)
+            if element is not None and element[0] != UNATTRIBUTED:
+                return element
         state = _STATE.match(op_name)
         if state:
             return self.state_rows.get((int(state.group(1)), int(state.group(2))),
@@ -239,23 +295,25 @@ def layer_rows(model, texts: dict, device_shape):
     for _, path in paths.values():
         names.setdefault(path.rsplit("/", 1)[-1], []).append(path)
 
-    instructions, computations = _parse_hlo(texts["hlo"])
+    instructions, computations, shape = _parse_hlo(texts["hlo"])
     sequence, ranges, peak = _parse_live(texts["live"])
     sizes = _parse_sizes(texts["buffers"])
-    attribute = _Attributor(instructions, computations, names, state_rows)
+    attribute = _Attributor(instructions, computations, shape, names, state_rows)
 
     for buffer, size in peak.items():
-        rows[attribute(buffer.split("{")[0])[0]][_PEAK] += size
-    # The backward pass starts at the first scheduled instruction of a transpose.
-    starts = [step for inst, step in sequence.items()
-              if "transpose(" in instructions.get(inst, ("",))[0]]
-    if starts:
-        begin = min(starts)
-        for buffer, (first, last) in ranges.items():
-            if first < begin <= last:
-                row, kind = attribute(buffer.split("{")[0])
-                if kind == "forward":
-                    rows[row][_SAVED] += sizes.get(buffer, 0)
+        rows[attribute.buffer(buffer)[0]][_PEAK] += size
+    # Kept for the gradient: a forward buffer of the layer whose last use is an
+    # instruction of the backward pass (`transpose(...)`). Read from the uses, not from
+    # one "backward starts here" step: XLA schedules backward ops that need no
+    # forward value (broadcasts of constants) before the forward pass ends.
+    at_step = {step: inst for inst, step in sequence.items()}
+    for buffer, (first, last) in ranges.items():
+        user = at_step.get(last)
+        if user is None or not attribute.is_backward(user):
+            continue
+        row, kind = attribute.buffer(buffer)
+        if kind == "forward":
+            rows[row][_SAVED] += sizes.get(buffer, 0)
     return rows, sum(peak.values())
 
 
