@@ -307,7 +307,7 @@ def layer_rows(model, texts: dict, device_shape):
     # one "backward starts here" step: XLA schedules backward ops that need no
     # forward value (broadcasts of constants) before the forward pass ends.
     at_step = {step: inst for inst, step in sequence.items()}
-    for buffer, (first, last) in ranges.items():
+    for buffer, (_, last) in ranges.items():
         user = at_step.get(last)
         if user is None or not attribute.is_backward(user):
             continue
