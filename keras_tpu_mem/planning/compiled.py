@@ -223,17 +223,20 @@ class _LayerSource:
         self.args = (xs, ys, tuple(features), description)
         self.table = None
 
+    def __deepcopy__(self, memo):
+        return self  # holds no values of its own worth copying (a model reference, specs)
+
     def __call__(self):
         if self.table is not None:
             return self.table
         from keras_tpu_mem.planning.by_layer import LayerTable
 
-        model = self.model()
-        if model is None:
-            raise ValueError("by_layer(): the model this step was compiled for is gone.")
         backend = backends.get(self.backend_name)
         layers = backend.compiled_layers
         layers.require()
+        model = self.model()
+        if model is None:
+            raise ValueError("by_layer(): the model this step was compiled for is gone.")
         xs, ys, features, description = self.args
         with self.scope():
             stats = backend.compiled.compile_step(model, xs, ys, features, compile_context,

@@ -178,6 +178,10 @@ class _Attributor:
         self.instructions, self.computations, self.shape = instructions, computations, shape
         self.names, self.state_rows = names, state_rows
         self.memo = {}
+        self.callers = {}  # while body -> the while instructions that run it
+        for name, entry in shape.items():
+            if isinstance(name, str) and entry[0] == "while" and entry[2]:
+                self.callers.setdefault(entry[2], []).append(name)
 
     def layer_of(self, op_name: str):
         scopes = [s for s in re.sub(r"[\w\-]+\(", "", op_name).replace(")", "").split("/") if s]
@@ -217,15 +221,34 @@ class _Attributor:
         opcode, index, body = self.shape.get(name, ("", None, None))
         operands = self.instructions[name][1]
         if opcode == "tuple" and k < len(operands):
-            return self(operands[k], seen)
+            row = self(operands[k], seen)
+            if row[0] != UNATTRIBUTED or self.shape.get(operands[k], ("",))[0] not in (
+                    "get-tuple-element", "parameter"):
+                return row
+            return self._element_of(operands[k], seen)
         if opcode == "get-tuple-element" and operands and index is not None:
             return self._element(operands[0], index, seen)
         computation = body if opcode == "while" else (
             self.instructions[name][3] if opcode == "parameter" else None)
         root = self.shape.get(("root", computation))
-        if root is not None:
-            return self._element(root, k, seen)
-        return None
+        found = self._element(root, k, seen) if root is not None else None
+        if opcode == "parameter" and (found is None or found[0] == UNATTRIBUTED):
+            # State the loop passes through unchanged (the batch): what enters the loop.
+            for caller in self.callers.get(computation, ()):
+                operands = self.instructions[caller][1]
+                if operands:
+                    found = self._element(operands[0], k, seen)
+                    if found is not None and found[0] != UNATTRIBUTED:
+                        break
+        return found
+
+    def _element_of(self, name, seen):
+        """A get-tuple-element (or parameter) that `__call__` left unattributed."""
+        opcode, index, _ = self.shape.get(name, ("", None, None))
+        operands = self.instructions[name][1]
+        if opcode == "get-tuple-element" and operands and index is not None:
+            return self._element(operands[0], index, seen) or (UNATTRIBUTED, "other")
+        return UNATTRIBUTED, "other"
 
     def __call__(self, name: str, seen=()):
         if name in self.memo:
