@@ -170,3 +170,23 @@ def test_attribution_agrees_with_rematerialising_the_feed_forward_layer():
     saved_fall = plain.by_layer()[up].saved_activations - remat.by_layer()[up].saved_activations
     assert saved_fall >= 0.5 * fall
     check_sums(model, remat, remat.by_layer())
+
+
+def test_floor_model_under_sharded_state_per_device():
+    """State split over 8 devices (the engine's sharded step): one device's shards."""
+    from keras_tpu_mem.sharding import ShardedDataParallel
+
+    with ShardedDataParallel().scope():
+        model = floor_model()
+        result = compiled_memory(model, 512, hlo_text=False)
+    table = result.by_layer()
+    assert result.devices == 8
+    at_peak = sum(r.at_peak for r in table)
+    assert at_peak == table.peak_bytes
+    assert table.peak_bytes + table.slack_bytes == result.total_bytes
+    assert table["unattributed"].at_peak <= 0.10 * table.peak_bytes
+    # wide's kernel (256 x 8192 float32) and bias (8192) split 8 ways.
+    assert table["wide"].weights == (256 * 8192 + 8192) * 4 // 8
+    assert sum(r.weights for r in table) == result.weight_bytes
+    assert sum(r.optimizer for r in table) == result.optimizer_bytes
+    assert table["wide"].saved_activations >= 64 * 8192 * 4  # its ReLU output, per device
