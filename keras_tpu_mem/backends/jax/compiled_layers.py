@@ -17,7 +17,15 @@ buffers live at the peak). Here each buffer is attributed to a row:
   optimizer's update) by its fused computation, then by its operands, so a copy of a
   weight or the new value of a slot counts to that layer.
 
-Contract (the TensorFlow module has the same function):
+A row's `saved_activations` are its forward buffers (`jvp(...)` without `transpose`)
+whose last use is a backward instruction: what the forward pass keeps for the
+gradient, read from the uses rather than from one step where "the backward pass
+starts" (XLA schedules backward instructions that need no forward value early). Its
+`at_peak` are its buffers in the live-range dump's peak list, so the rows sum to
+XLA's peak exactly.
+
+Contract (the TensorFlow module has the same functions): `require()` (raises where
+the backend has no attribution),
 `layer_rows(model, texts, device_shape)` -> `(rows, peak_bytes)`, `rows` a dict
 `{row: [weights, optimizer, saved_activations, at_peak]}` in bytes per device.
 """
