@@ -32,16 +32,12 @@ the backend has no attribution),
 
 from __future__ import annotations
 
-import math
 import re
 
-import keras
-import numpy as np
+from keras_tpu_mem.backends import layer_owners
+from keras_tpu_mem.backends.layer_owners import INPUTS, UNATTRIBUTED
 
-from keras_tpu_mem._compat import keras as keras_compat
-
-OPTIMIZER, INPUTS, UNATTRIBUTED = "optimizer", "inputs", "unattributed"
-_WEIGHTS, _OPTIMIZER, _SAVED, _PEAK = range(4)
+_SAVED, _PEAK = 2, 3
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)$")
 _COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
@@ -56,55 +52,6 @@ _SEQUENCE = re.compile(r"^\s+(\d+):([\w.\-]+)\s*$")
 
 def _key(name: str, index: str = "{}") -> str:
     return name if index in ("", "{}") else name + index
-
-
-# ----------------------------------------------------------------- the model
-def _layer_paths(model) -> dict:
-    """`{id(layer): (layer, path)}`, nested layers by their path inside the model; a
-    layer reached twice (shared) keeps its first path."""
-    paths = {}
-
-    def walk(layer, prefix):
-        for sub in keras_compat.flatten_layers(layer, include_self=False, recursive=False):
-            if id(sub) in paths or isinstance(sub, keras.layers.InputLayer):
-                continue
-            path = f"{prefix}/{sub.name}" if prefix else sub.name
-            paths[id(sub)] = (sub, path)
-            walk(sub, path)
-
-    walk(model, "")
-    return paths
-
-
-def _owners(model, paths) -> dict:
-    """`{id(variable): row}`: the deepest layer that holds each weight."""
-    owner, depth = {}, {}
-    for layer, path in paths.values():
-        level = path.count("/")
-        for variable in layer.weights:
-            if depth.get(id(variable), -1) < level:
-                owner[id(variable)], depth[id(variable)] = path, level
-    return owner
-
-
-def _slot_rows(model, owner) -> dict:
-    """`{id(optimizer variable): row}`. Keras names a slot after the variable it tracks
-    (`add_variable_from_reference`: the variable's path with `_` for `/`, then `_` and
-    the slot's name); a variable it tracks none of is the "optimizer" row."""
-    prefixes = sorted(((v.path.replace("/", "_") + "_", owner.get(id(v), UNATTRIBUTED))
-                       for v in model.trainable_variables), key=lambda p: -len(p[0]))
-    rows = {}
-    for variable in model.optimizer.variables:
-        name = variable.name
-        rows[id(variable)] = next((row for prefix, row in prefixes
-                                   if name.startswith(prefix)), OPTIMIZER)
-    return rows
-
-
-def _bytes(variable, device_shape) -> int:
-    shape = device_shape(variable.shape, variable)
-    return int(math.prod(shape)) * np.dtype(keras.backend.standardize_dtype(
-        variable.dtype)).itemsize
 
 
 # ------------------------------------------------------------------- the texts
@@ -304,27 +251,11 @@ class _Attributor:
 
 def layer_rows(model, texts: dict, device_shape):
     """Rows `{row: [weights, optimizer, saved_activations, at_peak]}` and the peak bytes."""
-    paths = _layer_paths(model)
-    owner = _owners(model, paths)
-    slots = _slot_rows(model, owner)
-    rows = {path: [0, 0, 0, 0] for _, path in paths.values()}
-    for row in (OPTIMIZER, INPUTS, UNATTRIBUTED):
-        rows[row] = [0, 0, 0, 0]
-    for variable in {id(v): v for v in model.weights}.values():
-        rows[owner.get(id(variable), UNATTRIBUTED)][_WEIGHTS] += _bytes(variable, device_shape)
-    for variable in model.optimizer.variables:
-        rows[slots[id(variable)]][_OPTIMIZER] += _bytes(variable, device_shape)
-
+    rows, variable_rows, names = layer_owners.rows_at_rest(model, device_shape)
     state = (model.trainable_variables, model.non_trainable_variables,
              model.optimizer.variables, model.metrics_variables)
-    state_rows = {}
-    for i, variables in enumerate(state):
-        for j, variable in enumerate(variables):
-            state_rows[(i, j)] = (slots[id(variable)] if i == 2
-                                  else owner.get(id(variable), UNATTRIBUTED))
-    names = {}
-    for _, path in paths.values():
-        names.setdefault(path.rsplit("/", 1)[-1], []).append(path)
+    state_rows = {(i, j): variable_rows.get(id(v), UNATTRIBUTED)
+                  for i, variables in enumerate(state) for j, v in enumerate(variables)}
 
     instructions, computations, shape = _parse_hlo(texts["hlo"])
     sequence, ranges, peak = _parse_live(texts["live"])
