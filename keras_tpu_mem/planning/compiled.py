@@ -214,10 +214,13 @@ class Compiler:
 class _LayerSource:
     """Builds `CompiledMemory.by_layer()`'s table on demand: the same step compiled again
     with XLA's buffer assignment written out, under the distribution it was compiled
-    for. Holds the model weakly (results are cached per model)."""
+    for."""
 
     def __init__(self, compiler, xs, ys, features, description):
-        self.model = weakref.ref(compiler.model)
+        # The user's model weakly (the cache is keyed by it); a host copy (a model built
+        # under a tf.distribute strategy) strongly: nothing else keeps it.
+        model = compiler.model
+        self.model = (lambda: model) if compiler.copied else weakref.ref(model)
         self.backend_name = compiler.backend_name
         self.scope = compiler.backend.compile_scope()
         self.args = (xs, ys, tuple(features), description)

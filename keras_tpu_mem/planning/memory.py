@@ -83,15 +83,15 @@ class CompiledMemory:
 
         Recompiles the step with XLA's buffer assignment and live ranges written out
         (so `compiled_memory` itself stays one compile) and attributes every buffer to
-        the layer whose weights, optimizer slots or activations it holds. JAX only
-        so far.
+        the layer whose weights, optimizer slots or activations it holds (JAX: XLA's
+        dumped buffer assignment and live ranges; TensorFlow: the `HloProto`'s buffer
+        assignment and heap simulator trace).
 
         Returns:
             A `keras_tpu_mem.planning.by_layer.LayerTable`; `print` it.
 
         Raises:
             ValueError: this `CompiledMemory` was not made by `compiled_memory`.
-            NotImplementedError: on the TensorFlow backend.
 
         Example:
 

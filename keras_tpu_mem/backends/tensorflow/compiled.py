@@ -202,7 +202,7 @@ def compile_scope():
 
 
 def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
-                 description: str) -> dict:
+                 description: str, dump: bool = False) -> dict:
     """Compiles one train step with XLA and reads its buffer assignment.
 
     Without features this is Keras' own `train_step`. With features it is the
@@ -231,6 +231,11 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
             proto = generator(stage="optimized_hlo_proto_serialized")
             # A second XLA compile of the same graph: only when asked.
             text = generator(stage="optimized_hlo") if hlo_text else ""
+            if dump:
+                # For `compiled_layers`: the proto itself and what each entry parameter
+                # is (the batch's leaves, then the function's captures in order).
+                captures = one_train_step.get_concrete_function(*flat).captured_inputs
+                dumped = dict(proto=proto, leaves=len(flat), captures=list(captures))
         except Exception as err:
             raise RuntimeError(
                 f"XLA could not compile {description} for the host "
@@ -238,4 +243,5 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
                 "A TPU compiles every step with XLA too, so the same op would fail there; "
                 "see the full error above."
             ) from err
-    return dict(_buffer_stats(proto), platform=_platform(model), devices=1, hlo_text=text)
+    return dict(_buffer_stats(proto), platform=_platform(model), devices=1, hlo_text=text,
+                dump=dumped if dump else None)
