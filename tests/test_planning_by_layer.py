@@ -80,6 +80,11 @@ def test_encoder_rows_for_attention_and_feed_forward():
              if isinstance(layer, keras.layers.Dense) and layer.name != "head"]
     for name in [attention.name] + dense:
         assert table[name].at_peak > 0, name
+    # TensorFlow runs `dense` under the scope `dense_1` and `dense_1` under `dense_1_2`:
+    # the feed-forward Dense(512, gelu) keeps its gelu input (16 x 64 x 512 float32).
+    up, down = dense
+    assert table[up].saved_activations >= 16 * 64 * 512 * 4
+    assert table[up].saved_activations > 4 * table[down].saved_activations
     for sub in (attention.query_dense, attention.key_dense, attention.value_dense,
                 attention.output_dense):
         assert table[f"{attention.name}/{sub.name}"].weights == nbytes(sub.weights)

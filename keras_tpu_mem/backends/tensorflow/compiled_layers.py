@@ -50,11 +50,46 @@ class _Attributor:
                 self.by_name[inst.name] = inst
         self.entry = module.entry_computation_id
         self.names, self.param_rows, self.memo = names, param_rows, {}
+        self.users, self.scopes, self.suffixed = {}, {}, False
+        for inst in self.by_id.values():
+            for operand in inst.operand_ids:
+                self.users.setdefault(operand, []).append(inst)
+
+    def calibrate(self, weight_paths):
+        """Learns each layer's name scope from the instructions that read its weights.
+
+        TensorFlow uniquifies name scopes inside the step's graph: a layer `dense` may
+        run under `dense_1` and the layer `dense_1` under `dense_1_2`. The scope of the
+        instruction reading a layer's weight names that layer (and its enclosing
+        scopes its parents)."""
+        self.scopes, self.suffixed = {}, False
+        for inst in list(self.by_id.values()):
+            if inst.opcode != "parameter" or inst.id not in weight_paths:
+                continue
+            path = weight_paths[inst.id].split("/")
+            for user in self.users.get(inst.id, ()):
+                tokens = [t for t in user.metadata.op_name.split("/") if t]
+                if tokens[:1] == ["gradient_tape"]:
+                    continue
+                at = next((j for j in range(len(tokens) - 1, -1, -1)
+                           if _SUFFIX.sub("", tokens[j]) == path[-1] or tokens[j] == path[-1]),
+                          None)
+                if at is None:
+                    continue
+                for depth in range(len(path)):
+                    j = at - depth
+                    if j < 0:
+                        break
+                    self.scopes.setdefault(tokens[j], "/".join(path[:len(path) - depth]))
+                    self.suffixed |= tokens[j] != path[len(path) - 1 - depth]
 
     def layer_of(self, op_name: str):
         scopes = [s for s in op_name.split("/") if s]
         for i in range(len(scopes) - 1, -1, -1):
-            for name in (scopes[i], _SUFFIX.sub("", scopes[i])):
+            if scopes[i] in self.scopes:
+                return self.scopes[scopes[i]]
+            stripped = _SUFFIX.sub("", scopes[i])
+            for name in ((stripped, scopes[i]) if self.suffixed else (scopes[i], stripped)):
                 if name in self.names:
                     return self.names[name][0]
         return None
@@ -99,12 +134,15 @@ def layer_rows(model, texts: dict, device_shape):
     proto = _hlo_proto_class()()
     proto.ParseFromString(texts["proto"])
     rows, variable_rows, names = layer_owners.rows_at_rest(model, device_shape)
-    handles = {}
+    handles, weights = {}, {id(v) for v in model.weights}
+    weight_handles = set()
     for variable in (list(model.weights) + list(model.optimizer.variables)
                      + list(model.metrics_variables)):
         handle = getattr(getattr(variable, "value", None), "handle", None)
         if handle is not None:
             handles[id(handle)] = variable_rows.get(id(variable), UNATTRIBUTED)
+            if id(variable) in weights:
+                weight_handles.add(id(handle))
     number_rows = {}
     for number in range(texts["leaves"]):
         number_rows[number] = INPUTS
@@ -115,6 +153,11 @@ def layer_rows(model, texts: dict, device_shape):
     param_rows = {inst.id: number_rows.get(inst.parameter_number, UNATTRIBUTED)
                   for inst in entry.instructions if inst.opcode == "parameter"}
     attribute = _Attributor(proto.hlo_module, names, param_rows)
+    weight_numbers = {texts["leaves"] + k for k, c in enumerate(texts["captures"])
+                      if id(c) in weight_handles}
+    attribute.calibrate({inst.id: param_rows[inst.id] for inst in entry.instructions
+                         if inst.opcode == "parameter" and inst.parameter_number
+                         in weight_numbers and param_rows[inst.id] in rows})
     assignment = proto.buffer_assignment
     buffers = {b.id: b for b in assignment.logical_buffers}
 
@@ -163,10 +206,7 @@ def layer_rows(model, texts: dict, device_shape):
         peak += top
 
     # Kept for the gradient: forward buffers read by a backward instruction.
-    users = {}
-    for inst in attribute.by_id.values():
-        for operand in inst.operand_ids:
-            users.setdefault(operand, []).append(inst)
+    users = attribute.users
     for buffer in buffers.values():
         inst = attribute.by_id.get(buffer.defined_at.instruction_id)
         if inst is None or inst.opcode == "parameter":
