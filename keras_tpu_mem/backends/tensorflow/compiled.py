@@ -26,10 +26,13 @@ Contract (same in `backends/jax/compiled.py`; `keras_tpu_mem.planning` reads it)
 * `device_shape(shape, variable=None)`: one device's shard of a variable (or
   of the batch, without `variable`).
 * `cache_scope()`: what, besides the model's state, a compile depends on.
-* `compile_step(model, xs, ys, features, compile_context, hlo_text, description)`:
-  compiles the step (`compile_context(model, features)` installs the
+* `compile_scope()`: a callable giving a context in which a later compile of the
+  same step (`CompiledMemory.by_layer()`) sees what this one saw.
+* `compile_step(model, xs, ys, features, compile_context, hlo_text, description,
+  dump=False)`: compiles the step (`compile_context(model, features)` installs the
   features) and returns plain numbers: `argument`, `temp`, `live_out`,
-  `alias`, `constant` bytes, `module_name`, `platform`, `devices`, `hlo_text`.
+  `alias`, `constant` bytes, `module_name`, `platform`, `devices`, `hlo_text`,
+  and with `dump` what `compiled_layers.layer_rows` reads (`dump`; else None).
 """
 
 from __future__ import annotations
