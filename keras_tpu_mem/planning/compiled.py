@@ -316,7 +316,8 @@ def compiled_memory(model, batch_size: int, *, callbacks=None, x_spec=None, y_sp
             (on TensorFlow a second XLA compile of the same step; False skips it).
 
     Returns:
-        A `CompiledMemory`; `print` it for a table.
+        A `CompiledMemory`; `print` it for a table, `.by_layer()` for the same step's
+        memory by Keras layer.
 
     Raises:
         TypeError: `callbacks` is not a list of Keras callbacks.
