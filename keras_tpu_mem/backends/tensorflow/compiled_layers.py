@@ -67,8 +67,8 @@ class _Attributor:
             if inst.opcode != "parameter" or inst.id not in weight_paths:
                 continue
             path = weight_paths[inst.id].split("/")
-            for user in self.users.get(inst.id, ()):
-                tokens = [t for t in user.metadata.op_name.split("/") if t]
+            for op_name in self._reader_names(inst):
+                tokens = [t for t in op_name.split("/") if t]
                 if tokens[:1] == ["gradient_tape"]:
                     continue
                 at = next((j for j in range(len(tokens) - 1, -1, -1)
@@ -83,6 +83,17 @@ class _Attributor:
                     self.scopes.setdefault(tokens[j], "/".join(path[:len(path) - depth]))
                     self.suffixed |= tokens[j] != path[len(path) - 1 - depth]
 
+    def _reader_names(self, inst):
+        """The op_names of the instructions that read `inst`: a reader's own, or, for a
+        `call`/fusion without one, those inside it that read the parameter."""
+        for user in self.users.get(inst.id, ()):
+            if user.metadata.op_name:
+                yield user.metadata.op_name
+            else:
+                for inner in self.inner(user):
+                    if inner.metadata.op_name:
+                        yield inner.metadata.op_name
+
     def layer_of(self, op_name: str):
         scopes = [s for s in op_name.split("/") if s]
         for i in range(len(scopes) - 1, -1, -1):
@@ -94,12 +105,21 @@ class _Attributor:
                     return self.names[name][0]
         return None
 
+    def inner(self, inst, depth: int = 4):
+        """The instructions of the computations `inst` calls, nested calls included
+        (TensorFlow 2.19's XLA:CPU wraps a fusion in a `call` whose own op_name is
+        empty; the names live one computation further in)."""
+        for cid in inst.called_computation_ids:
+            for inner in self.computations[cid].instructions:
+                yield inner
+                if depth > 1:
+                    yield from self.inner(inner, depth - 1)
+
     def is_backward(self, inst) -> bool:
         if inst.metadata.op_name.startswith("gradient_tape/"):
             return True
         return any(inner.metadata.op_name.startswith("gradient_tape/")
-                   for cid in inst.called_computation_ids
-                   for inner in self.computations[cid].instructions)
+                   for inner in self.inner(inst))
 
     def __call__(self, inst, seen=()):
         if inst.id in self.memo:
@@ -115,11 +135,10 @@ class _Attributor:
         layer = self.layer_of(inst.metadata.op_name)
         if layer is not None:
             return layer, "backward" if self.is_backward(inst) else "forward"
-        for cid in inst.called_computation_ids:
-            for inner in reversed(self.computations[cid].instructions):
-                layer = self.layer_of(inner.metadata.op_name)
-                if layer is not None:
-                    return layer, "backward" if self.is_backward(inst) else "forward"
+        for inner in reversed(list(self.inner(inst))):
+            layer = self.layer_of(inner.metadata.op_name)
+            if layer is not None:
+                return layer, "backward" if self.is_backward(inst) else "forward"
         for operand in inst.operand_ids:
             if operand in seen or operand not in self.by_id:
                 continue
