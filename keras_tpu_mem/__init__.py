@@ -39,6 +39,8 @@ _EXPORTS = {
     "ThroughputMonitor": "monitoring",
     "measure_input_rate": "monitoring",
     "CompiledMemory": "planning",
+    "LayerMemory": "planning",
+    "LayerTable": "planning",
     "MemoryPlan": "planning",
     "compiled_memory": "planning",
     "plan": "planning",

@@ -181,3 +181,17 @@ def test_distribution_layout_map_of_a_model_parallel():
     parallel = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     assert keras_compat.distribution_layout_map(parallel) is layout_map
     assert keras_compat.distribution_layout_map(keras.distribution.DataParallel()) is None
+
+
+def test_compile_with_dump_writes_buffer_assignment_and_live_ranges(tmp_path):
+    lowered = jax.jit(lambda a: jnp.tanh(a @ a.T).sum()).lower(jnp.ones((64, 32)))
+    compiled = jax_compat.compile_with_dump(lowered, str(tmp_path))
+    assert float(compiled(jnp.ones((64, 32)))) == pytest.approx(64 * 64 * np.tanh(32.0))
+    names = [p.name for p in tmp_path.iterdir()]
+    for suffix in ("after_optimizations.txt", "after_optimizations-buffer-assignment.txt",
+                   "after_optimizations-live-range.txt"):
+        assert any(n.endswith(suffix) for n in names), suffix
+    live = next(p for p in tmp_path.iterdir() if p.name.endswith("-live-range.txt"))
+    assert "(peak)" in live.read_text()
+    # No per-pass dumps: only the module before and after optimization.
+    assert not any("before_" in n and "optimizations" not in n for n in names)

@@ -53,6 +53,21 @@ def memory_analysis(compiled):
     return stats
 
 
+def compile_with_dump(lowered, directory: str):
+    """`lowered.compile()` that also writes XLA's view of the optimized module to `directory`.
+
+    jax 0.10.2 passes a dict of XLA debug options to `Lowered.compile(compiler_options)`;
+    `xla_dump_to` makes XLA write, per module, the optimized HLO with its metadata
+    (`*after_optimizations.txt`), the buffer assignment
+    (`*after_optimizations-buffer-assignment.txt`) and the live ranges of its buffers
+    with the peak (`*after_optimizations-live-range.txt`). `xla_dump_hlo_pass_re`
+    matching no pass keeps the per-pass dumps out; the backend's code files
+    (LLVM IR, objects on CPU) are still written, so `directory` is a scratch folder.
+    """
+    return lowered.compile({"xla_dump_to": directory, "xla_dump_hlo_pass_re": "^$",
+                            "xla_dump_hlo_as_text": True})
+
+
 # --------------------------------------------------------- Keras distribution
 def backend_mesh(device_mesh):
     """The `jax.sharding.Mesh` of a `keras.distribution.DeviceMesh` (3.12-3.15:

@@ -4,6 +4,7 @@ The package (formerly one module, `keras_tpu_mem/planning.py`):
 
 * `specs` – data specs for a batch and byte counts of variables;
 * `memory` – `CompiledMemory`, XLA's buffer assignment of one compiled step;
+* `by_layer` – `LayerTable`, that memory by Keras layer (`CompiledMemory.by_layer()`);
 * `compiled` – `compiled_memory` and the `Compiler` behind it: compiles the
   train step (Keras' own, or the engine's step for the given feature
   callbacks) through the backend seam (`backends.current().compiled`:
@@ -17,6 +18,7 @@ The package (formerly one module, `keras_tpu_mem/planning.py`):
 """
 
 from keras_tpu_mem.planning.budget import DeviceBudget
+from keras_tpu_mem.planning.by_layer import LayerMemory, LayerTable
 from keras_tpu_mem.planning.compiled import compiled_memory
 from keras_tpu_mem.planning.memory import CompiledMemory
 from keras_tpu_mem.planning.memory_plan import MemoryPlan, Recommendation
@@ -26,6 +28,8 @@ from keras_tpu_mem.planning.planner import plan
 __all__ = [
     "CompiledMemory",
     "DeviceBudget",
+    "LayerMemory",
+    "LayerTable",
     "MemoryPlan",
     "Recommendation",
     "StepOutOfMemoryError",

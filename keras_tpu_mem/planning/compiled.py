@@ -204,10 +204,51 @@ class Compiler:
             hlo_text=stats["hlo_text"],
             backend=self.backend_name,
             devices=stats["devices"],
+            layer_source=_LayerSource(self, xs, ys, features, description),
         )
         cache[key] = result
         logger.debug("%s: compiled the step at batch %d: %s", self.what, global_batch, result)
         return result
+
+
+class _LayerSource:
+    """Builds `CompiledMemory.by_layer()`'s table on demand: the same step compiled again
+    with XLA's buffer assignment written out, under the distribution it was compiled
+    for."""
+
+    def __init__(self, compiler, xs, ys, features, description):
+        # The user's model weakly (the cache is keyed by it); a host copy (a model built
+        # under a tf.distribute strategy) strongly: nothing else keeps it.
+        model = compiler.model
+        self.model = (lambda: model) if compiler.copied else weakref.ref(model)
+        self.backend_name = compiler.backend_name
+        self.scope = compiler.backend.compile_scope()
+        self.args = (xs, ys, tuple(features), description)
+        self.table = None
+
+    def __deepcopy__(self, memo):
+        return self  # holds no values of its own worth copying (a model reference, specs)
+
+    def __call__(self):
+        if self.table is not None:
+            return self.table
+        from keras_tpu_mem.planning.by_layer import LayerTable
+
+        backend = backends.get(self.backend_name)
+        layers = backend.compiled_layers
+        layers.require()
+        model = self.model()
+        if model is None:
+            raise ValueError("by_layer(): the model this step was compiled for is gone.")
+        xs, ys, features, description = self.args
+        with self.scope():
+            stats = backend.compiled.compile_step(model, xs, ys, features, compile_context,
+                                                  False, description, dump=True)
+            rows, peak = layers.layer_rows(model, stats["dump"], backend.compiled.device_shape)
+        total = (stats["argument"] + stats["temp"] + stats["live_out"] - stats["alias"]
+                 + stats["constant"])
+        self.table = LayerTable(rows, peak, total)
+        return self.table
 
 
 def check_callbacks(callbacks, what: str) -> tuple:
@@ -275,7 +316,8 @@ def compiled_memory(model, batch_size: int, *, callbacks=None, x_spec=None, y_sp
             (on TensorFlow a second XLA compile of the same step; False skips it).
 
     Returns:
-        A `CompiledMemory`; `print` it for a table.
+        A `CompiledMemory`; `print` it for a table, `.by_layer()` for the same step's
+        memory by Keras layer.
 
     Raises:
         TypeError: `callbacks` is not a list of Keras callbacks.

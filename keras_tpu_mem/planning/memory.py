@@ -74,6 +74,36 @@ class CompiledMemory:
     hlo_text: str = dataclasses.field(default="", repr=False)
     backend: str = "tensorflow"
     devices: int = 1
+    # Recompiles the same step with XLA's buffer assignment written out (set by the
+    # Compiler; None on a CompiledMemory built by hand).
+    layer_source: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def by_layer(self):
+        """Where this step's memory goes, one row per Keras layer (a `LayerTable`).
+
+        Recompiles the step with XLA's buffer assignment and live ranges written out
+        (so `compiled_memory` itself stays one compile) and attributes every buffer to
+        the layer whose weights, optimizer slots or activations it holds (JAX: XLA's
+        dumped buffer assignment and live ranges; TensorFlow: the `HloProto`'s buffer
+        assignment and heap simulator trace).
+
+        Returns:
+            A `keras_tpu_mem.planning.by_layer.LayerTable`; `print` it.
+
+        Raises:
+            ValueError: this `CompiledMemory` was not made by `compiled_memory`.
+
+        Example:
+
+        ```python
+        table = ktm.compiled_memory(model, 512).by_layer()
+        print(table.top(5))
+        ```
+        """
+        if self.layer_source is None:
+            raise ValueError("by_layer() needs a CompiledMemory made by compiled_memory() "
+                             "(or plan()), which knows the model and the step.")
+        return self.layer_source()
 
     @property
     def total_bytes(self) -> int:

@@ -19,6 +19,10 @@ Contract: see `backends/tensorflow/compiled.py`; here `UNIT` is `"device"` and
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -138,6 +142,13 @@ def cache_scope():
     return key() if callable(key) else id(distribution)
 
 
+def compile_scope():
+    """A callable giving a context in which a later compile sees this one's distribution
+    (`CompiledMemory.by_layer()` recompiles after the user's `scope()` has ended)."""
+    distribution = _distribution()
+    return contextlib.nullcontext if distribution is None else distribution.scope
+
+
 def _struct(shape, dtype, sharding):
     if sharding is None:
         return jax.ShapeDtypeStruct(tuple(shape), dtype)
@@ -172,8 +183,12 @@ def _module_name(compiled) -> str:
 
 
 def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
-                 description: str) -> dict:
-    """Lowers and compiles the step for the batch specs and reads `memory_analysis()`."""
+                 description: str, dump: bool = False) -> dict:
+    """Lowers and compiles the step for the batch specs and reads `memory_analysis()`.
+
+    With `dump`, XLA also writes the optimized module, its buffer assignment and live
+    ranges (`_compat.jax.compile_with_dump`), returned as `stats["dump"]` (a dict of
+    their texts, keys `hlo`, `buffers`, `live`) for `compiled_layers`."""
     distribution = _distribution()
     state = _state_structs(model, distribution)
     batch = _batch_structs(distribution, xs, ys)
@@ -192,7 +207,10 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
                 if features or sharded else model.train_step)
         jitted = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
         try:
-            compiled = jitted.lower(state, batch).compile()
+            if dump:
+                compiled, texts = _compile_dumped(jitted.lower(state, batch))
+            else:
+                compiled, texts = jitted.lower(state, batch).compile(), None
         except Exception as err:
             first = str(err).splitlines()[0] if str(err) else ""
             raise RuntimeError(f"XLA could not compile {description} on JAX "
@@ -211,4 +229,26 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
         platform=platform,
         devices=devices,
         hlo_text=compiled.as_text() if hlo_text else "",
+        dump=texts,
     )
+
+
+_DUMPED = {"hlo": "after_optimizations.txt",
+           "buffers": "after_optimizations-buffer-assignment.txt",
+           "live": "after_optimizations-live-range.txt"}
+
+
+def _compile_dumped(lowered):
+    """Compiles with XLA's dump in a scratch folder and reads the three files back."""
+    with tempfile.TemporaryDirectory(prefix="ktm-xla-dump-") as directory:
+        compiled = jax_compat.compile_with_dump(lowered, directory)
+        names = os.listdir(directory)
+        texts = {}
+        for key, suffix in _DUMPED.items():
+            found = sorted(n for n in names if n.endswith(suffix))
+            if not found:
+                raise RuntimeError(f"XLA wrote no *{suffix} for the step (dumped: "
+                                   f"{len(names)} files); cannot attribute its memory.")
+            with open(os.path.join(directory, found[-1])) as f:
+                texts[key] = f.read()
+    return compiled, texts

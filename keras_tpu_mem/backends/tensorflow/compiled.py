@@ -26,10 +26,13 @@ Contract (same in `backends/jax/compiled.py`; `keras_tpu_mem.planning` reads it)
 * `device_shape(shape, variable=None)`: one device's shard of a variable (or
   of the batch, without `variable`).
 * `cache_scope()`: what, besides the model's state, a compile depends on.
-* `compile_step(model, xs, ys, features, compile_context, hlo_text, description)`:
-  compiles the step (`compile_context(model, features)` installs the
+* `compile_scope()`: a callable giving a context in which a later compile of the
+  same step (`CompiledMemory.by_layer()`) sees what this one saw.
+* `compile_step(model, xs, ys, features, compile_context, hlo_text, description,
+  dump=False)`: compiles the step (`compile_context(model, features)` installs the
   features) and returns plain numbers: `argument`, `temp`, `live_out`,
-  `alias`, `constant` bytes, `module_name`, `platform`, `devices`, `hlo_text`.
+  `alias`, `constant` bytes, `module_name`, `platform`, `devices`, `hlo_text`,
+  and with `dump` what `compiled_layers.layer_rows` reads (`dump`; else None).
 """
 
 from __future__ import annotations
@@ -195,8 +198,14 @@ def _platform(model) -> str:
     return match.group(1) if match else "CPU"
 
 
+def compile_scope():
+    """A callable giving a context for a later compile of the same step (none needed:
+    one replica's step compiles on the host)."""
+    return contextlib.nullcontext
+
+
 def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
-                 description: str) -> dict:
+                 description: str, dump: bool = False) -> dict:
     """Compiles one train step with XLA and reads its buffer assignment.
 
     Without features this is Keras' own `train_step`. With features it is the
@@ -225,6 +234,11 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
             proto = generator(stage="optimized_hlo_proto_serialized")
             # A second XLA compile of the same graph: only when asked.
             text = generator(stage="optimized_hlo") if hlo_text else ""
+            if dump:
+                # For `compiled_layers`: the proto itself and what each entry parameter
+                # is (the batch's leaves, then the function's captures in order).
+                captures = one_train_step.get_concrete_function(*flat).captured_inputs
+                dumped = dict(proto=proto, leaves=len(flat), captures=list(captures))
         except Exception as err:
             raise RuntimeError(
                 f"XLA could not compile {description} for the host "
@@ -232,4 +246,5 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
                 "A TPU compiles every step with XLA too, so the same op would fail there; "
                 "see the full error above."
             ) from err
-    return dict(_buffer_stats(proto), platform=_platform(model), devices=1, hlo_text=text)
+    return dict(_buffer_stats(proto), platform=_platform(model), devices=1, hlo_text=text,
+                dump=dumped if dump else None)
