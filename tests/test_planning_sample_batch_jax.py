@@ -133,3 +133,15 @@ def test_plan_in_every_mode(mlp, kwargs):
     planned = plan(mlp, 1024, device="v5e-1", **kwargs)
     assert planned.fits and planned.total_bytes > 0 and planned.per_replica_batch == 1024
     assert "v5e-1" in str(planned)
+
+
+def test_batch_size_sweep_trains_on_a_sample_batch():
+    from keras_tpu_mem.profiling import batch_size_sweep
+
+    x, y = sample(3)
+    result = batch_size_sweep(sequence_model, None, [4, 8], steps=2, verbose=0,
+                              sample_batch=(x, y))
+    assert [row.batch_size for row in result.rows] == [4, 8]
+    assert all(row.samples_per_sec for row in result.rows)
+    with pytest.raises(ValueError, match="dataset_fn.*sample_batch"):
+        batch_size_sweep(sequence_model, lambda b: None, [4], sample_batch=(x, y))
