@@ -47,8 +47,8 @@ def resolve_device(device, replicas: int | None = None) -> DeviceBudget:
     budget = _parse_device(device)
     if replicas is None or replicas == budget.replicas:
         return budget
-    if isinstance(device, str) and _DEVICE_SIZE_RE.match(device) and \
-            _DEVICE_SIZE_RE.match(device).group(3) is None:
+    size = _DEVICE_SIZE_RE.match(device) if isinstance(device, str) else None
+    if size is not None and size.group(3) is None:  # a size without a count
         return dataclasses.replace(budget, name=f"{budget.name} x {replicas}",
                                    replicas=replicas)
     raise ValueError(
