@@ -66,7 +66,8 @@ def test_compiled_memory_same_for_every_strategy_case(strategy_case, mlp):
         model = digits_mlp(**strategy_case.compile_kwargs())
     reference = compiled_memory(mlp, 32)
     before = [np.array(v) for v in model.weights]
-    result = compiled_memory(model, 32)
+    # `batch_size` is the global batch: 32 per replica under any strategy.
+    result = compiled_memory(model, 32 * model.distribute_strategy.num_replicas_in_sync)
     # One replica's step is the same program whatever the strategy: a model
     # built under MirroredStrategy is compiled on a host copy.
     assert result.temp_bytes == reference.temp_bytes

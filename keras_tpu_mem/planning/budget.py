@@ -29,7 +29,7 @@ class DeviceBudget:
     source: str
 
 
-def resolve_device(device) -> DeviceBudget:
+def resolve_device(device, replicas: int | None = None) -> DeviceBudget:
     """Parses `device` for `plan`.
 
     Accepts a TPU accelerator type (`"v3-8"`, `"v5litepod-16"`, `"v4-32"`: HBM
@@ -37,9 +37,30 @@ def resolve_device(device) -> DeviceBudget:
     for one device, `"16GB-4"` or `"16GB x4"` for four; units GiB, GB, MiB, MB,
     KiB, KB, or B for a byte count such as `"3145728B"`), or a `DeviceBudget`.
 
+    With `replicas` (the replicas of an active distribution) a size without a
+    count is that many devices, and a device that names another count is an
+    error: the plan is for the distribution it runs under.
+
     Raises:
         ValueError / TypeError naming the accepted forms.
     """
+    budget = _parse_device(device)
+    if replicas is None or replicas == budget.replicas:
+        return budget
+    size = _DEVICE_SIZE_RE.match(device) if isinstance(device, str) else None
+    if size is not None and size.group(3) is None:  # a size without a count
+        return dataclasses.replace(budget, name=f"{budget.name} x {replicas}",
+                                   replicas=replicas)
+    raise ValueError(
+        f"`device` {getattr(device, 'name', device)!r} names {budget.replicas} replica(s), "
+        f"but the active distribution splits the batch over {replicas} devices: plan for "
+        f"the distribution it runs under (a size without a count, e.g. "
+        f"'{budget.capacity_bytes}B', takes its {replicas}), or call plan outside its "
+        "scope to plan another device count."
+    )
+
+
+def _parse_device(device) -> DeviceBudget:
     if isinstance(device, DeviceBudget):
         return device
     if not isinstance(device, str):

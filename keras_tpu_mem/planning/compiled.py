@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import weakref
 
 import keras
@@ -27,7 +28,13 @@ from keras_tpu_mem.engine.compile import compile_context
 from keras_tpu_mem.engine.core import Engine
 from keras_tpu_mem.engine.feature import Feature
 from keras_tpu_mem.planning.memory import CompiledMemory
-from keras_tpu_mem.planning.specs import _check_model, _dtype_size, _unique, infer_data_specs
+from keras_tpu_mem.planning.specs import (
+    _check_model,
+    _dtype_size,
+    _unique,
+    infer_data_specs,
+    sample_structures,
+)
 
 # Compiles are deterministic for a given model state, batch and data spec, and
 # cost seconds to minutes: remember them per model (weakly, so models are
@@ -106,13 +113,20 @@ class Compiler:
     ```
     """
 
-    def __init__(self, model, x_spec=None, y_spec=None, what="compiled_memory"):
+    def __init__(self, model, x_spec=None, y_spec=None, what="compiled_memory",
+                 sample_batch=None):
         self.backend_name = backends.current(what).name
         self.backend = backends.get(self.backend_name).compiled
         _check_model(model, what)
+        if sample_batch is not None and (x_spec is not None or y_spec is not None):
+            raise ValueError(f"{what}: pass either `sample_batch` or `x_spec`/`y_spec`, not "
+                             "both: the sample batch's arrays already define the specs.")
         self.user_model = model
         self.what = what
         self.x_spec, self.y_spec = x_spec, y_spec
+        # Only its shapes and dtypes are kept (`specs.sample_structures`), not the data.
+        self.sample_batch = (None if sample_batch is None
+                             else sample_structures(sample_batch))
         self.copied = self.backend.distributed_strategy(model) is not None
         self._model = None
         self._built = False
@@ -133,7 +147,29 @@ class Compiler:
         return self._model
 
     def specs(self, batch_size: int):
-        return infer_data_specs(self.user_model, batch_size, self.x_spec, self.y_spec)
+        return infer_data_specs(self.user_model, batch_size, self.x_spec, self.y_spec,
+                                self.sample_batch)
+
+    @property
+    def replicas(self) -> int:
+        """Replicas a global batch splits over: the batch-axis devices of the active
+        `keras.distribution` (JAX), the model's `tf.distribute` replicas (TensorFlow)."""
+        return int(self.backend.replicas(self.user_model))
+
+    def compile_batch(self, global_batch: int, features=(),
+                      hlo_text: bool = False) -> CompiledMemory:
+        """The step at a global batch: `global_batch / replicas` examples per replica (a
+        `CompiledMemory` whose `batch_size` is the global batch)."""
+        replicas = self.replicas
+        if global_batch % replicas:
+            raise ValueError(
+                f"{self.what}: `batch_size` {global_batch} (the global batch) does not split "
+                f"over the {replicas} replicas the model trains on; use a multiple of "
+                f"{replicas}.")
+        per_replica = global_batch // replicas
+        result = self.compile_global(per_replica * self.backend.compile_shards(), features,
+                                     hlo_text)
+        return dataclasses.replace(result, batch_size=global_batch, replicas=replicas)
 
     def __call__(self, per_replica: int, features=(), hlo_text: bool = False) -> CompiledMemory:
         """The step at a per-replica batch (one data-parallel shard's, see `compile_global`)."""
@@ -280,8 +316,9 @@ def check_callbacks(callbacks, what: str) -> tuple:
     return tuple(features)
 
 
-def compiled_memory(model, batch_size: int, *, callbacks=None, x_spec=None, y_spec=None,
-                    hlo_text: bool = True) -> CompiledMemory:
+def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_spec=None,
+                    y_spec=None, sample_batch=None, hlo_text: bool = True,
+                    per_replica_batch_size: int | None = None) -> CompiledMemory:
     """Compiles the train step with XLA and returns its memory breakdown.
 
     Without `callbacks` the step is Keras' own `model.train_step` (forward,
@@ -289,31 +326,42 @@ def compiled_memory(model, batch_size: int, *, callbacks=None, x_spec=None, y_sp
     pass to `fit`, it is **the step the engine installs for them**: their
     features (gradient accumulation, bf16 compute, rematerialisation, pruning
     masks, distillation) are installed on the model, the engine's per-replica
-    step is traced on symbolic inputs of `batch_size` examples and compiled with
-    XLA (`jit_compile=True`, as on a TPU), and the features are uninstalled
-    again. Callbacks that are not engine features (monitors) do not change the
-    step and take no part. Nothing is executed: weights, optimizer slots,
-    `optimizer.iterations` and dtype policies keep their values, and the
-    callbacks are ready for a later `fit`. Missing state is created first (an
-    unbuilt optimizer gets its slots, as `fit` would). A model built under a
-    `tf.distribute` strategy is compiled on a host copy (one replica's step).
+    step is traced on symbolic inputs and compiled with XLA (`jit_compile=True`,
+    as on a TPU), and the features are uninstalled again. Callbacks that are
+    not engine features (monitors) do not change the step and take no part.
+    Nothing is executed: weights, optimizer slots, `optimizer.iterations` and
+    dtype policies keep their values, and the callbacks are ready for a later
+    `fit`. Missing state is created first (an unbuilt optimizer gets its slots,
+    as `fit` would).
 
-    On JAX (`KERAS_BACKEND=jax`) the engine's step is lowered with
-    `jax.jit(...).lower(...).compile()` and read through `memory_analysis()`;
-    called inside a `keras.distribution`'s `scope()`, it compiles for that
-    distribution and reports the bytes one device holds (`batch_size` is then
-    the global batch).
+    `batch_size` is the **global** batch, as `fit` and `plan` take it, on both
+    backends: on TensorFlow a model built under a `tf.distribute` strategy of R
+    replicas is compiled on a host copy for one replica's `batch_size / R`
+    examples; on JAX (`KERAS_BACKEND=jax`) the step is lowered with
+    `jax.jit(...).lower(...).compile()` and read through `memory_analysis()`,
+    and called inside a `keras.distribution`'s `scope()` it compiles for that
+    distribution, `batch_size` split over its batch-axis devices. Every byte
+    count is what one replica (one device on JAX) holds.
 
     Args:
         model: A compiled `keras.Model`.
-        batch_size: Per-replica batch to compile for (TensorFlow); the global
-            batch on JAX.
+        batch_size: The global batch to compile for; it must split evenly over
+            the replicas.
         callbacks: Optional list of callbacks as passed to `fit`.
-        x_spec, y_spec: Optional `tf.TensorSpec` structures (batch first) for
-            inputs / labels the model cannot tell (subclassed models, dynamic
-            shapes, unusual losses).
+        x_spec, y_spec: Optional specs (`tf.TensorSpec` on TensorFlow,
+            `jax.ShapeDtypeStruct` on JAX, or `keras.KerasTensor`; structures of
+            them, batch first) for inputs / labels the model cannot tell
+            (subclassed models, unknown sequence lengths, unusual losses).
+        sample_batch: Instead of specs, one batch as `fit` takes it (an array, a
+            dict of arrays, `(x, y)` or `(x, y, sample_weight)`), of any batch
+            size: its arrays' shapes past the batch axis and dtypes define the
+            specs (labels from the loss where it has none). The step is compiled
+            without sample weights.
         hlo_text: Keep the optimized HLO text in `CompiledMemory.hlo_text`
             (on TensorFlow a second XLA compile of the same step; False skips it).
+        per_replica_batch_size: Deprecated: the per-replica batch, the meaning
+            `batch_size` had on TensorFlow before; use `batch_size` = this x the
+            replicas.
 
     Returns:
         A `CompiledMemory`; `print` it for a table, `.by_layer()` for the same step's
@@ -321,7 +369,10 @@ def compiled_memory(model, batch_size: int, *, callbacks=None, x_spec=None, y_sp
 
     Raises:
         TypeError: `callbacks` is not a list of Keras callbacks.
-        ValueError: bad `batch_size`, or a feature that cannot split it.
+        ValueError: bad `batch_size` (or one that does not split over the
+            replicas), `sample_batch` with `x_spec`/`y_spec`, a model whose
+            input shapes are unknown without either, or a feature that cannot
+            split the batch.
 
     Example:
 
@@ -332,10 +383,27 @@ def compiled_memory(model, batch_size: int, *, callbacks=None, x_spec=None, y_sp
     print(accumulated)      # arguments / temporaries (incl. accumulators) / total
     accumulated.temp_bytes < plain.temp_bytes
     "while" in accumulated.hlo_text     # the micro-batch loop
+    # Unknown sequence length: one real batch says the shapes.
+    ktm.compiled_memory(text_model, 64, sample_batch=(tokens[:2], labels[:2]))
     ```
     """
-    check_positive_int(batch_size, "batch_size")
+    if per_replica_batch_size is not None:
+        if batch_size is not None:
+            raise ValueError("compiled_memory: pass `batch_size` (the global batch) or the "
+                             "deprecated `per_replica_batch_size`, not both.")
+        check_positive_int(per_replica_batch_size, "per_replica_batch_size")
+        warnings.warn(
+            "compiled_memory(per_replica_batch_size=...) is deprecated: `batch_size` is the "
+            "global batch on every backend (split over the replicas); pass "
+            "batch_size=per_replica_batch_size x replicas.", DeprecationWarning, stacklevel=2)
+    elif batch_size is None:
+        raise TypeError("compiled_memory() needs `batch_size` (the global batch).")
+    else:
+        check_positive_int(batch_size, "batch_size")
     if not isinstance(hlo_text, bool):
         raise TypeError(f"`hlo_text` must be True or False, got {hlo_text!r}.")
     features = check_callbacks(callbacks, "compiled_memory")
-    return Compiler(model, x_spec, y_spec).compile_global(batch_size, features, hlo_text)
+    compiler = Compiler(model, x_spec, y_spec, sample_batch=sample_batch)
+    if per_replica_batch_size is not None:
+        batch_size = per_replica_batch_size * compiler.replicas
+    return compiler.compile_batch(batch_size, features, hlo_text)

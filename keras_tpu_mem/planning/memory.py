@@ -28,7 +28,8 @@ class CompiledMemory:
     """XLA's buffer assignment of one compiled train step, in bytes.
 
     Attributes:
-        batch_size: The per-replica batch the step was compiled for.
+        batch_size: The batch the step was compiled for: from `compiled_memory`
+            the global batch, split over `replicas`.
         argument_bytes: Entry parameters: weights, optimizer slots, metric
             state and the batch itself.
         data_bytes: The part of `argument_bytes` that is the batch (x, y).
@@ -55,6 +56,9 @@ class CompiledMemory:
         devices: Devices the step was compiled for (JAX under a
             `keras.distribution`; 1 on TensorFlow, whose compile is one
             replica's); every byte count is one device's.
+        replicas: Replicas `batch_size` is split over (the active
+            distribution's batch-axis devices on JAX, the model's strategy's
+            replicas on TensorFlow); each compiles `batch_size / replicas`.
     """
 
     batch_size: int
@@ -74,6 +78,7 @@ class CompiledMemory:
     hlo_text: str = dataclasses.field(default="", repr=False)
     backend: str = "tensorflow"
     devices: int = 1
+    replicas: int = 1
     # Recompiles the same step with XLA's buffer assignment written out (set by the
     # Compiler; None on a CompiledMemory built by hand).
     layer_source: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -140,9 +145,15 @@ class CompiledMemory:
         step = (f"the engine's step for {', '.join(self.features)}" if self.features
                 else "one train step")
         # How the backend that compiled it names one compile's share ("per-replica").
-        per = backends.get(self.backend).compiled.TABLE_SCOPE
-        head = (f"XLA buffer assignment of {step}, {per} batch "
-                f"{self.batch_size} ({self.platform} compile)")
+        compiled = backends.get(self.backend).compiled
+        if self.replicas > 1:
+            batch = (f"global batch {self.batch_size}, {self.batch_size // self.replicas} "
+                     f"per {compiled.UNIT}")
+        elif self.devices > 1:  # a plan's compile at one device's share of the batch
+            batch = f"{compiled.TABLE_SCOPE} batch {self.batch_size}"
+        else:
+            batch = f"batch {self.batch_size}"
+        head = f"XLA buffer assignment of {step}, {batch} ({self.platform} compile)"
         lines = [head]
         for name, value, note in rows:
             lines.append(f"  {name:<12}{fb(value):>12}  {note}".rstrip())

@@ -14,6 +14,7 @@ from keras_tpu_mem import backends
 from keras_tpu_mem._utils import check_positive_int
 from keras_tpu_mem.planning.budget import (
     ActivationModel,
+    DeviceBudget,
     _normalise_precision,
     divisors,
     largest_batch,
@@ -96,6 +97,13 @@ def _validate_plan_args(global_batch_size, headroom, accumulation_steps, compile
             check_positive_int(b, "compile_batches[i]")
 
 
+def _device_for(device) -> DeviceBudget:
+    """`device` resolved; under an active distribution (JAX: a `keras.distribution` whose
+    batch axis spans several devices) its replica count is the distribution's."""
+    shards = backends.current("plan").compiled.compile_shards()
+    return resolve_device(device, shards if shards > 1 else None)
+
+
 def _per_replica_batch(global_batch_size: int, budget_device) -> int:
     """The per-replica batch, or a ValueError when the global batch does not split evenly."""
     replicas = budget_device.replicas
@@ -122,6 +130,7 @@ def plan(
     callbacks=None,
     search: bool = False,
     max_compile_batch: int = MAX_COMPILE_BATCH,
+    sample_batch=None,
 ) -> MemoryPlan:
     """Plans one replica's memory for training `model` at `global_batch_size`.
 
@@ -141,7 +150,9 @@ def plan(
         global_batch_size: Examples per step over all replicas.
         device: A TPU type (`"v3-8"`, `"v4-32"`, `"v5litepod-16"`: capacity per
             replica from `ktm.HBM_TABLE`), a size (`"12GiB"`, `"16GB-4"`), or a
-            `DeviceBudget`.
+            `DeviceBudget`. Under an active distribution (JAX) the replicas are
+            its batch-axis devices: a size without a count takes them, a
+            device naming another count is a ValueError.
         accumulation_steps: Micro-batches per replica step (None or 1: none).
             Must divide the per-replica batch.
         precision: None (as the model is), `"float32"` or `"mixed_bfloat16"`;
@@ -156,6 +167,10 @@ def plan(
             model whose every example is already a long sequence).
         x_spec, y_spec: Data specs where the model cannot tell (see
             `compiled_memory`).
+        sample_batch: Instead of specs, one batch as `fit` takes it (x,
+            `(x, y)` or `(x, y, sample_weight)`, any batch size) whose arrays'
+            shapes past the batch axis and dtypes define them (see
+            `compiled_memory`); for models with unknown sequence lengths.
         progress: Optional callable `progress(done, total, batch_size)`, for
             long compiles: called before each XLA compile with the compiles
             finished so far, the number planned and the batch about to be
@@ -206,8 +221,8 @@ def plan(
     if callbacks is not None or search:
         return _plan_on_compiles(model, global_batch_size, device, callbacks, search,
                                  accumulation_steps, precision, headroom, compile_batches,
-                                 x_spec, y_spec, progress, max_compile_batch)
-    budget_device = resolve_device(device)
+                                 x_spec, y_spec, progress, max_compile_batch, sample_batch)
+    budget_device = _device_for(device)
     wanted_precision = _normalise_precision(precision)
     replicas = budget_device.replicas
     per_replica = _per_replica_batch(global_batch_size, budget_device)
@@ -220,7 +235,7 @@ def plan(
         )
     micro = per_replica // k
 
-    compiler = Compiler(model, x_spec, y_spec, what="plan")
+    compiler = Compiler(model, x_spec, y_spec, what="plan", sample_batch=sample_batch)
     if compile_batches is not None:
         batches = sorted(set(compile_batches))
     elif micro <= _MAX_DIRECT_BATCH:
@@ -310,7 +325,8 @@ def _levers_for(model, accumulation_steps, precision, compile_batches) -> list:
 
 
 def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accumulation_steps,
-                      precision, headroom, compile_batches, x_spec, y_spec, progress, cap):
+                      precision, headroom, compile_batches, x_spec, y_spec, progress, cap,
+                      sample_batch=None):
     """`plan(..., callbacks=...)` / `plan(..., search=True)`: see `search.compiled_plan`."""
     for name, value in (("accumulation_steps", accumulation_steps), ("precision", precision),
                         ("compile_batches", compile_batches)):
@@ -322,12 +338,12 @@ def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accum
     if progress is not None and not callable(progress):
         raise TypeError(f"`progress` must be None or a callable, got {progress!r}.")
     features = check_callbacks(callbacks, "plan")
-    budget_device = resolve_device(device)
+    budget_device = _device_for(device)
     per_replica = _per_replica_batch(global_batch_size, budget_device)
     notes = []
     # On JAX per replica = per data-parallel shard of the active distribution,
     # and every byte count is one device's (see `Compiler.__call__`).
-    compiler = Compiler(model, x_spec, y_spec, what="plan")
+    compiler = Compiler(model, x_spec, y_spec, what="plan", sample_batch=sample_batch)
     if compiler.copied:
         notes.append(_HOST_COPY_NOTE)
     wrapped = None

@@ -90,21 +90,31 @@ def _is_float_dtype(dtype) -> bool:
     return "float" in name
 
 
-def _spec_for(tensor, batch_size: int, name: str):
+def _spec_hint() -> str:
+    """How to give specs, naming only the running backend's classes (no `tf.` on JAX)."""
+    name = backends.current().compiled.SPEC_NAME
+    return (f"`x_spec=`/`y_spec=` as {name} or keras.KerasTensor structures with the batch "
+            "first and every other dimension set")
+
+
+_SAMPLE_HINT = ("`sample_batch=` (one batch as fit takes it: x, (x, y) or (x, y, "
+                "sample_weight), arrays of any batch size)")
+
+
+def _spec_for(tensor, batch_size: int, name: str, fix: str | None = None):
+    """A spec of `batch_size` rows shaped and typed like `tensor` past its first axis."""
     shape = list(getattr(tensor, "shape", ()))
     dtype = getattr(tensor, "dtype", None)
     if not shape or dtype is None:
         raise ValueError(
-            f"Cannot build a spec for {name}: {tensor!r} has no shape/dtype. Pass "
-            f"`{name}` as a tf.TensorSpec (or nested structure of them) with the batch "
-            "as the first dimension."
+            f"Cannot build a spec for {name}: {tensor!r} has no shape/dtype (or no batch "
+            f"axis). Pass {_SAMPLE_HINT} or {_spec_hint()}."
         )
     rest = shape[1:]
     if any(d is None for d in rest):
         raise ValueError(
             f"{name} has an unknown non-batch dimension (shape {tuple(shape)}); XLA needs "
-            f"static shapes. Pass `{name}=tf.TensorSpec((None, ...), dtype)` with every "
-            "dimension but the batch set."
+            f"static shapes. Pass {fix or _SAMPLE_HINT + ' or ' + _spec_hint()}."
         )
     return _make_spec([batch_size, *[int(d) for d in rest]], dtype)
 
@@ -115,12 +125,55 @@ def _map_specs(structure, batch_size: int, name: str):
     return keras.tree.map_structure(lambda t: _spec_for(t, batch_size, name), structure)
 
 
+def _backend_dtype(array):
+    """The dtype `fit` gives `array` on this backend (a NumPy int64 is int32 on JAX without
+    x64), read by converting an empty array of it; backend tensors keep theirs."""
+    import keras
+    import numpy as np
+
+    dtype = getattr(array, "dtype", None)
+    if not isinstance(array, np.ndarray):
+        return dtype
+    converted = keras.ops.convert_to_tensor(np.zeros((0,), dtype=array.dtype))
+    return keras.backend.standardize_dtype(converted.dtype)
+
+
+class _Sample:
+    """Shape and dtype of one array of a sample batch (what a spec is made from)."""
+
+    def __init__(self, array):
+        self.shape = tuple(getattr(array, "shape", ()))
+        self.dtype = _backend_dtype(array)
+
+    def __repr__(self):
+        return f"array(shape={self.shape}, dtype={self.dtype})"
+
+
+def sample_structures(sample_batch):
+    """`(x, y)` of a batch as `fit` takes it (y None when it holds only inputs); a
+    sample weight, if any, is dropped: the compiled step is the one without it."""
+    import keras
+
+    if sample_batch is None:
+        raise ValueError("`sample_batch` must be a batch as fit takes it, not None.")
+    x, y, _ = keras.utils.unpack_x_y_sample_weight(sample_batch)
+    if x is None:
+        raise ValueError("`sample_batch` has no inputs: pass x, (x, y) or (x, y, "
+                         "sample_weight).")
+
+    def wrap(structure):
+        return None if structure is None else keras.tree.map_structure(_Sample, structure)
+
+    return wrap(x), wrap(y)
+
+
 def _label_spec(output, loss, batch_size: int):
     shape = list(output.shape)
     if any(d is None for d in shape[1:]):
         raise ValueError(
-            f"The model output has an unknown non-batch dimension (shape {tuple(shape)}); "
-            "pass `y_spec=tf.TensorSpec(...)`."
+            f"The model output has an unknown non-batch dimension (shape {tuple(shape)}), "
+            f"so the labels' shape is unknown. Pass the labels in {_SAMPLE_HINT[:-1]}, "
+            f"with y) or {_spec_hint()}."
         )
     if _is_sparse_loss(loss):
         return _make_spec([batch_size, *[int(d) for d in shape[1:-1]]], "int32")
@@ -137,7 +190,7 @@ def _symbolic_or_explain(model, which: str, what: str, why: str, argument: str):
     except (AttributeError, ValueError) as err:
         raise ValueError(
             f"Cannot infer {what}: the model has no symbolic {which}{why}. Pass "
-            f"`{argument}=tf.TensorSpec((None, ...), dtype)`."
+            f"{_SAMPLE_HINT} or {_spec_hint()}."
         ) from err
 
 
@@ -158,29 +211,42 @@ def _symbolic(model, which: str):
     return struct
 
 
-def infer_data_specs(model, batch_size: int, x_spec=None, y_spec=None):
-    """Returns `(x_spec, y_spec)` as `tf.TensorSpec` structures for one batch.
+def infer_data_specs(model, batch_size: int, x_spec=None, y_spec=None, sample_batch=None):
+    """Returns `(x_spec, y_spec)` as structures of backend specs for one batch.
 
     Inputs come from `model.input` (functional and Sequential models built with
     `keras.Input`); labels from the loss (sparse categorical losses take int32
     class ids of the output's shape without its last axis, other losses take
-    float32 labels shaped like the output). `x_spec` / `y_spec` override either:
-    a `tf.TensorSpec`, `keras.KerasTensor` or a nested structure of them, whose
-    first dimension is the batch (it is replaced by `batch_size`).
+    float32 labels shaped like the output). `sample_batch`, a batch as `fit`
+    takes it (x, (x, y) or (x, y, sample_weight), any batch size), gives both
+    instead (labels from the loss where it has none): every array's shape past
+    the first axis and its dtype. Or `x_spec` / `y_spec` override either: a
+    backend spec (`tf.TensorSpec` on TensorFlow, `jax.ShapeDtypeStruct` on JAX),
+    `keras.KerasTensor` or a nested structure of them, whose first dimension is
+    the batch. The batch dimension becomes `batch_size` in every case.
 
     Raises:
-        ValueError: if a shape cannot be inferred; the message says what to pass.
+        ValueError: if a shape cannot be inferred (the message says what to pass), or
+            `sample_batch` together with `x_spec`/`y_spec`.
     """
     check_positive_int(batch_size, "batch_size")
-    if x_spec is not None:
-        xs = _map_specs(x_spec, batch_size, "x_spec")
+    if sample_batch is not None:
+        if x_spec is not None or y_spec is not None:
+            raise ValueError("Pass either `sample_batch` or `x_spec`/`y_spec`, not both: "
+                             "the sample batch's arrays already define the specs.")
+        x_sample, y_sample = sample_structures(sample_batch)
+        xs = _map_specs(x_sample, batch_size, "`sample_batch`'s x")
+        if y_sample is not None:
+            return xs, _map_specs(y_sample, batch_size, "`sample_batch`'s y")
+    elif x_spec is not None:
+        xs = _map_specs(x_spec, batch_size, "`x_spec`")
     else:
         inputs = _symbolic_or_explain(
             model, "inputs", "the input shape", " (a subclassed model or a Sequential "
             "without keras.Input)", "x_spec")
-        xs = _map_specs(inputs, batch_size, "x_spec")
+        xs = _map_specs(inputs, batch_size, "The model's input")
     if y_spec is not None:
-        return xs, _map_specs(y_spec, batch_size, "y_spec")
+        return xs, _map_specs(y_spec, batch_size, "`y_spec`")
     outputs = _symbolic_or_explain(model, "outputs", "the label shape", "", "y_spec")
     import keras
 

@@ -74,11 +74,15 @@ class _Timer(keras.callbacks.Callback):
         self.t_last_end = now
 
 
-def _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps):
+def _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps, sample_batch=None):
     if not callable(build_fn):
         raise TypeError("`build_fn` must be a callable returning a compiled keras.Model, got "
                         f"{type(build_fn).__name__}.")
-    if not callable(dataset_fn):
+    if sample_batch is not None:
+        if dataset_fn is not None:
+            raise ValueError("Pass either `dataset_fn` or `sample_batch` (trained on, tiled "
+                             "to each batch size), not both.")
+    elif not callable(dataset_fn):
         raise TypeError("`dataset_fn` must be a callable batch_size -> tf.data.Dataset, got "
                         f"{type(dataset_fn).__name__}.")
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence) \
@@ -136,6 +140,21 @@ def _sweep_input(data, batch: int, steps: int, profiler):
         f"{type(data).__name__}.")
 
 
+def _tiled(sample_batch, batch: int, steps: int):
+    """`sample_batch` (a batch as fit takes it) tiled to `batch` rows, as `steps` batches."""
+    import numpy as np
+
+    def tile(array):
+        array = np.asarray(array)
+        if array.ndim == 0 or array.shape[0] == 0:
+            raise ValueError("`sample_batch` must hold arrays with a batch axis of at least "
+                             f"one row, got shape {array.shape}.")
+        return np.take(array, np.arange(batch) % array.shape[0], axis=0)
+
+    whole = keras.tree.map_structure(tile, sample_batch)
+    return _Cycle(lambda index: whole, 1, steps)
+
+
 def _is_oom(err: BaseException, profiler) -> bool:
     """An out-of-memory error of the framework (or Python's own MemoryError)."""
     return isinstance(err, MemoryError) or profiler.is_out_of_memory(err)
@@ -156,12 +175,13 @@ def _quiet_framework():
 
 def batch_size_sweep(
     build_fn: Callable[[], keras.Model],
-    dataset_fn: Callable[[int], object],
+    dataset_fn: Callable[[int], object] | None,
     batch_sizes: Sequence[int],
     *,
     steps: int = 20,
     png_path: str | None = None,
     verbose: int = 1,
+    sample_batch=None,
 ) -> SweepResult:
     """Trains a few steps at each batch size; measures throughput and peak memory.
 
@@ -191,13 +211,17 @@ def batch_size_sweep(
             scope for a multi-replica sweep).
         dataset_fn: `batch_size -> tf.data.Dataset` of batches of that (global)
             size (on JAX also a `keras.utils.PyDataset` of such batches, or
-            arrays `(x, y)` to cut into them).
+            arrays `(x, y)` to cut into them); None with `sample_batch`.
         batch_sizes: Batch sizes to try.
         steps: Training steps per batch size (>= 2).
         png_path: If given, write the throughput / peak-memory figure there.
         verbose: 1 shows a progress bar (`keras.utils.Progbar`, one unit per
             batch size, with its samples/s and peak); 0 logs one line per batch
             size instead.
+        sample_batch: Instead of `dataset_fn`, one batch as `fit` takes it (an
+            array, a dict of arrays, `(x, y)` or `(x, y, sample_weight)`) of any
+            batch size: each row trains on it tiled to the row's batch size
+            (memory and throughput need shapes, not new data).
 
     Returns:
         A `SweepResult` (`.rows`, `.largest_fitting`, `.oom_batch`, `.table()`).
@@ -225,7 +249,7 @@ def batch_size_sweep(
     ```
     """
     profiler = backends.current("batch_size_sweep").profiler
-    _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps)
+    _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps, sample_batch)
     if verbose not in (0, 1) or isinstance(verbose, bool):
         raise ValueError(f"`verbose` must be 0 (log lines) or 1 (progress bar), got {verbose!r}.")
     sizes = sorted(set(batch_sizes))
@@ -244,7 +268,8 @@ def batch_size_sweep(
             if not isinstance(model, keras.Model) or not getattr(model, "compiled", False):
                 raise TypeError("`build_fn` must return a compiled keras.Model, got "
                                 f"{type(model).__name__}.")
-            data = _sweep_input(dataset_fn(batch), batch, steps, profiler)
+            data = (_tiled(sample_batch, batch, steps) if sample_batch is not None
+                    else _sweep_input(dataset_fn(batch), batch, steps, profiler))
             watch = _memory_devices(model, profiler)
             if not announced and any(s == devices.SOURCE_HOST_RSS for _, s in watch):
                 announced = True

@@ -45,6 +45,9 @@ PULLED_STEP = ("is not an engine step on JAX; plan GradientAccumulation(steps) "
                "(dataset_yields='global_batches') at the batch of one update.")
 
 
+SPEC_NAME = "jax.ShapeDtypeStruct"
+
+
 def make_spec(shape, dtype_name: str):
     """A `jax.ShapeDtypeStruct` (exposes `.shape` and `.dtype.name`)."""
     return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(dtype_name))

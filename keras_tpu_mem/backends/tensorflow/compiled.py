@@ -12,7 +12,8 @@ Contract (same in `backends/jax/compiled.py`; `keras_tpu_mem.planning` reads it)
   `SHARDING_LEVER`: whether it tries the state split over the data-parallel devices.
 * `PULLED_STEP`: why a feature that pulls micro-batches from the dataset has
   no step to compile, and what to plan instead.
-* `make_spec(shape, dtype_name)`: a static spec of one tensor.
+* `make_spec(shape, dtype_name)`: a static spec of one tensor; `SPEC_NAME`: its
+  class as a user writes it (error messages name only the running backend's).
 * `is_out_of_memory(error)`: whether `error` is a step's RESOURCE_EXHAUSTED.
 * `replicas(model)`: replicas the global batch of `model`'s fit splits over.
 * `capacity_device()`: the device whose capacity an OOM is planned against
@@ -60,6 +61,9 @@ PULLED_STEP = ("compiles a different step per window position; plan "
                "GradientAccumulation(steps) (dataset_yields='global_batches') at the "
                "per-replica batch of one update instead: its memory is the same "
                "micro-batch loop's.")
+
+
+SPEC_NAME = "tf.TensorSpec"
 
 
 def make_spec(shape, dtype_name: str):
