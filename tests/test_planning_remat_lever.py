@@ -119,6 +119,26 @@ def test_lever_reads_the_table_once():
     assert list(lever.options(lambda: Step)) == first and calls == [1]
 
 
+def test_a_target_that_frees_nothing_more_is_not_compiled_again():
+    class Step:
+        class reference:  # noqa: N801
+            @staticmethod
+            def by_layer():
+                return table({"big": 50, "mid": 30, "small": 15})
+
+    lever = RematLever(mlp(), available=True)
+    mid, big, both = (Target(("mid",), 30 / 95), Target(("big",), 50 / 95),
+                      Target(("big", "mid"), 80 / 95))
+    worth = {}
+    totals = {None: 100, mid: 90, big: 100, both: 90, EVERYTHING: 95}
+    for option in lever.options(lambda: Step):
+        worth[option] = lever.record(option, totals[option])
+    # big is no smaller than the step without remat, both no smaller than mid alone.
+    assert worth == {None: True, mid: True, big: False, both: False, EVERYTHING: True}
+    # The next round (more micro-batches, another state split) compiles mid only.
+    assert list(lever.options(lambda: Step)) == [None, mid, EVERYTHING]
+
+
 def test_recommendation_names_the_layers():
     rec = Recommendation(1, 64, 10 * MIB, rematerialize=True, compiled=True,
                          remat_layers=("ffn",))

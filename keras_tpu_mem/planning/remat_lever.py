@@ -13,7 +13,10 @@ Recompute is measured as the share of the step's saved activations the chosen la
 are tried in increasing share, all before `Rematerialize()`, which is counted as the whole
 (it recomputes the forward pass of every layer with weights); the search stops at the
 first that fits, so a targeted candidate that fits is preferred to rematerialising
-everything.
+everything. A targeted candidate whose compile is no smaller than the configuration
+without it, or than a targeted one of less recompute, is not compiled again (not with
+bfloat16, not at more micro-batches or another state split): the compile said it frees
+nothing more, and each candidate is a compile.
 """
 
 from __future__ import annotations
@@ -150,6 +153,8 @@ class RematLever:
         self.available = bool(available)
         self.notes = []
         self._targets = None
+        self._useless = set()
+        self._floor = None
 
     def options(self, plain_step):
         """None (as it is), then the targeted `Target`s, then `EVERYTHING`.
@@ -159,13 +164,32 @@ class RematLever:
                 configuration as it is; called only when the first targeted option is
                 needed (the lever's one extra compile: its `by_layer()`).
         """
+        self._floor = None
         yield None
         if not self.available:
             return
         if self._targets is None:
             self._targets = self._read(plain_step())
-        yield from self._targets
+        for target in self._targets:
+            if target not in self._useless:
+                yield target
         yield EVERYTHING
+
+    def record(self, target, total: int) -> bool:
+        """Records the compiled total of an option (in the model's own precision) in this
+        round of `options`; returns whether it is worth more compiles: False for a
+        targeted option no smaller than the option without remat and every targeted one
+        before it (it is then skipped for the rest of the search)."""
+        if target is None:
+            self._floor = total
+            return True
+        if target is EVERYTHING or target.layers is None:
+            return True
+        if self._floor is not None and total >= self._floor:
+            self._useless.add(target)
+            return False
+        self._floor = total
+        return True
 
     def _read(self, step) -> list:
         from keras_tpu_mem.remat import Rematerialize

@@ -132,10 +132,11 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
     data-parallel devices (optimizer slots, then weights too: JAX,
     `sharding_lever`); for each, as it is, then (where the backend supports
     it) the largest activation holders rematerialised alone (`remat_lever`:
-    from `by_layer()` of the first compile, least recompute first), then
-    every layer; each of these in float32, then bfloat16 compute (only when
-    the model computes in float32). `notes` (a list) receives what the plan
-    should say about the search.
+    from `by_layer()` of the first compile, least recompute first; one that
+    freed nothing more is not compiled again), then every layer; each of
+    these in float32, then bfloat16 compute (only when the model computes in
+    float32). `notes` (a list) receives what the plan should say about the
+    search.
     """
     base = [f for f in base_features if f.name not in _LEVER_NAMES]
     bf16_options = [False, True] if model_precision(model) == "float32" else [False]
@@ -152,7 +153,10 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
                 # recomputed): the ranking of the holders, not their bytes, is used.
                 for target in remat.options(lambda: first[0]):
                     layers = None if target is None else target.layers
+                    worth = True  # bfloat16 too, unless float32 showed it frees nothing
                     for bf16 in bf16_options:
+                        if bf16 and not worth:
+                            break
                         features = base + lever_callbacks(k, bf16, target is not None, layers)
                         with compiling_under(model, distribution, active):
                             step = CompiledStep(compile_fn, features, per_replica, cap,
@@ -160,6 +164,8 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
                         if not first:
                             first.append(step)
                         total = step.total_bytes(data_bytes)
+                        if not bf16:
+                            worth = remat.record(target, total)
                         rec = Recommendation(k, per_replica // k, int(total), bf16=bf16,
                                              rematerialize=target is not None,
                                              compiled=True, sharding=mode,
