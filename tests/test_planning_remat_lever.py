@@ -10,6 +10,7 @@ import pytest
 from keras_tpu_mem import backends
 from keras_tpu_mem.planning.by_layer import LayerTable
 from keras_tpu_mem.planning.memory_plan import Recommendation, candidates_table
+from keras_tpu_mem.planning.oom import _callbacks_repr
 from keras_tpu_mem.planning.remat_lever import (
     COVER,
     EVERYTHING,
@@ -152,6 +153,9 @@ def test_recommendation_names_the_layers():
     assert " all " in lines[4] and " no " in lines[2]
     (callback,) = rec.callbacks()
     assert isinstance(callback, Rematerialize) and callback.layers == ["ffn"]
+    # The out-of-memory error's "pass callbacks=[...]" names them too.
+    assert _callbacks_repr(rec, []) == "[Rematerialize(layers=['ffn'])]"
+    assert _callbacks_repr(everything, []) == "[GradientAccumulation(2), Rematerialize()]"
     # TensorFlow has no layer remat: the search never offers it, and fit refuses it.
     assert not backends.current("test").compiled.REMATERIALIZE_LEVER
     with pytest.raises(ValueError, match="JAX"):
