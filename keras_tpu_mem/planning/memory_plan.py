@@ -10,8 +10,11 @@ from keras_tpu_mem import devices
 from keras_tpu_mem.planning.budget import DeviceBudget
 
 
-def lever_callbacks(accumulation_steps: int, bf16: bool, rematerialize: bool) -> list:
+def lever_callbacks(accumulation_steps: int, bf16: bool, rematerialize: bool,
+                    remat_layers=None) -> list:
     """The feature callbacks that pull the plan's levers (none for `(1, False, False)`).
+
+    `remat_layers` names the layers `Rematerialize` recomputes (None: every layer).
 
     Example:
 
@@ -31,7 +34,7 @@ def lever_callbacks(accumulation_steps: int, bf16: bool, rematerialize: bool) ->
     if rematerialize:
         from keras_tpu_mem.remat import Rematerialize
 
-        out.append(Rematerialize())
+        out.append(Rematerialize(None if remat_layers is None else list(remat_layers)))
     return out
 
 
@@ -47,6 +50,9 @@ class Recommendation:
         bf16: Whether it computes in bfloat16 (`ktm.MixedBFloat16`).
         rematerialize: Whether layers' activations are recomputed in the
             backward pass (`ktm.Rematerialize`).
+        remat_layers: The layers recomputed, a tuple of names (the search's
+            targeted candidates: the largest activation holders of
+            `CompiledMemory.by_layer()`); None with `rematerialize`: every layer.
         compiled: Whether `total_bytes` comes from an XLA compile of the
             engine's step for `callbacks()` (the search), not from scaling.
         sharding: The model state the search split over the data-parallel
@@ -61,6 +67,7 @@ class Recommendation:
     rematerialize: bool = False
     compiled: bool = False
     sharding: str | None = None
+    remat_layers: tuple | None = None
     #: The distribution the candidate was compiled under (None: none active).
     compiled_under: object = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -74,7 +81,8 @@ class Recommendation:
         model.fit(ds, callbacks=p.recommendation.callbacks())
         ```
         """
-        return lever_callbacks(self.accumulation_steps, self.bf16, self.rematerialize)
+        return lever_callbacks(self.accumulation_steps, self.bf16, self.rematerialize,
+                               self.remat_layers)
 
     def distribution(self):
         """The `keras.distribution` this configuration was compiled under: a
@@ -102,7 +110,8 @@ class Recommendation:
         if self.bf16:
             parts.append("MixedBFloat16()")
         if self.rematerialize:
-            parts.append("Rematerialize()")
+            parts.append("Rematerialize()" if self.remat_layers is None else
+                         f"Rematerialize(layers={list(self.remat_layers)!r})")
         return " + ".join(parts) or "as it is"
 
 
@@ -268,16 +277,26 @@ NOT_MODELLED = (
 def candidates_table(candidates, usable: int) -> str:
     """The candidates a search compiled, as a table."""
     fb = devices.format_bytes
+    remat = [_remat_label(c) for c in candidates]
+    width = max([5, *map(len, remat)])
     lines = ["  search (compiled, cheapest first):",
-             f"    {'micro-batches':>13}  {'micro-batch':>11}  {'bf16':<4}  {'remat':<5}  "
+             f"    {'micro-batches':>13}  {'micro-batch':>11}  {'bf16':<4}  {'remat':<{width}}  "
              f"{'state split':<11}  {'total':>12}  fits"]
-    for c in candidates:
+    for c, label in zip(candidates, remat):
         lines.append(
             f"    {c.accumulation_steps:>13}  {c.micro_batch:>11}  "
-            f"{'yes' if c.bf16 else 'no':<4}  {'yes' if c.rematerialize else 'no':<5}  "
+            f"{'yes' if c.bf16 else 'no':<4}  {label:<{width}}  "
             f"{c.sharding or 'no':<11}  "
             f"{fb(c.total_bytes):>12}  {'yes' if c.total_bytes <= usable else 'no'}")
     return "\n".join(lines)
+
+
+def _remat_label(candidate) -> str:
+    """The remat column: "no", "all" or the layers recomputed."""
+    if not candidate.rematerialize:
+        return "no"
+    layers = getattr(candidate, "remat_layers", None)
+    return "all" if layers is None else ",".join(layers)
 
 
 def assemble(device: DeviceBudget, global_batch_size: int, per_replica: int,

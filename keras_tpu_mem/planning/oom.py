@@ -174,7 +174,8 @@ def _callbacks_repr(rec, features) -> str:
     if rec.bf16:
         levers.append("MixedBFloat16()")
     if rec.rematerialize:
-        levers.append("Rematerialize()")
+        levers.append("Rematerialize()" if rec.remat_layers is None else
+                      f"Rematerialize(layers={list(rec.remat_layers)!r})")
     return "[" + ", ".join([*kept, *levers]) + "]"
 
 

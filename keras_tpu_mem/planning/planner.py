@@ -186,8 +186,10 @@ def plan(
         search: Also search the levers: compile gradient accumulation
             (divisors of the per-replica batch), bfloat16 compute and
             rematerialisation (`ktm.Rematerialize`, where the backend supports
-            it), cheapest first (fewest micro-batches, then least
-            recomputation), and recommend the first that fits, with its
+            it: first of the layers `by_layer()` names as the largest
+            activation holders, then of every layer), cheapest first (fewest
+            micro-batches, then least recomputation), and recommend the first
+            that fits, with its
             compiled bytes; `plan.recommendation.callbacks()` realises it and
             `plan.candidates` lists what was tried (printed as a table). Other
             feature callbacks (distillation, pruning) stay in every candidate.

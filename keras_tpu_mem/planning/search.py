@@ -13,8 +13,9 @@ The search compiles candidates built from the levers — gradient accumulation
 data-parallel devices (JAX), bfloat16 compute, rematerialisation — cheapest
 first (fewest micro-batches; at equal micro-batches the least communication:
 replicated, optimizer-sharded, fully sharded; then no recomputation before
-recomputation; float32 before bfloat16, which changes the numerics), and stops
-at the first that fits.
+recomputing the largest activation holders alone (`remat_lever`), before
+recomputing every layer; float32 before bfloat16, which changes the numerics),
+and stops at the first that fits.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from keras_tpu_mem.planning.budget import (
     model_precision,
 )
 from keras_tpu_mem.planning.memory_plan import Recommendation, assemble, lever_callbacks
+from keras_tpu_mem.planning.remat_lever import RematLever
 from keras_tpu_mem.planning.sharding_lever import (
     active_distribution,
     compiling_under,
@@ -121,40 +123,60 @@ def _divisor_for(features, per_replica: int) -> int:
 
 
 def search_levers(compile_fn, base_features, per_replica: int, usable: int, data_bytes: int,
-                  cap: int, model, progress=None):
+                  cap: int, model, progress=None, notes=None):
     """Compiles candidates cheapest first; returns `(candidates, first that fits or None)`.
 
     Each candidate is a `Recommendation` with `compiled=True` and its compiled
     total. Candidates: k in the divisors of `per_replica` (ascending); for each,
     the state as the active distribution lays it out, then split over its
     data-parallel devices (optimizer slots, then weights too: JAX,
-    `sharding_lever`); for each, as it is, bfloat16 compute,
-    rematerialisation, both (bfloat16 only when the model computes in
-    float32; rematerialisation where the backend supports it).
+    `sharding_lever`); for each, as it is, then (where the backend supports
+    it) the largest activation holders rematerialised alone (`remat_lever`:
+    from `by_layer()` of the first compile, least recompute first; one that
+    freed nothing more is not compiled again), then every layer; each of
+    these in float32, then bfloat16 compute (only when the model computes in
+    float32). `notes` (a list) receives what the plan should say about the
+    search.
     """
     base = [f for f in base_features if f.name not in _LEVER_NAMES]
     bf16_options = [False, True] if model_precision(model) == "float32" else [False]
     # Rematerialisation where the backend has it as a lever (JAX: whole layers).
-    remat_options = ([False, True] if backends.current("plan").compiled.REMATERIALIZE_LEVER
-                     else [False])
+    remat = RematLever(model, backends.current("plan").compiled.REMATERIALIZE_LEVER)
     active = active_distribution()
     shardings = sharding_options(active)
-    candidates = []
-    for k in divisors(per_replica):
-        for mode, distribution in shardings:
-            for remat in remat_options:
-                for bf16 in bf16_options:
-                    features = base + lever_callbacks(k, bf16, remat)
-                    with compiling_under(model, distribution, active):
-                        step = CompiledStep(compile_fn, features, per_replica, cap, progress)
-                    total = step.total_bytes(data_bytes)
-                    rec = Recommendation(k, per_replica // k, int(total), bf16=bf16,
-                                         rematerialize=remat, compiled=True, sharding=mode,
-                                         compiled_under=distribution)
-                    candidates.append(rec)
-                    if total <= usable:
-                        return tuple(candidates), rec
-    return tuple(candidates), None
+    candidates, first = [], []
+    try:
+        for k in divisors(per_replica):
+            for mode, distribution in shardings:
+                # The targeted options are read from the search's very first compile
+                # (one micro-batch, the state as it is, float32 or as built, nothing
+                # recomputed): the ranking of the holders, not their bytes, is used.
+                for target in remat.options(lambda: first[0]):
+                    layers = None if target is None else target.layers
+                    worth = True  # bfloat16 too, unless float32 showed it frees nothing
+                    for bf16 in bf16_options:
+                        if bf16 and not worth:
+                            break
+                        features = base + lever_callbacks(k, bf16, target is not None, layers)
+                        with compiling_under(model, distribution, active):
+                            step = CompiledStep(compile_fn, features, per_replica, cap,
+                                                progress)
+                        if not first:
+                            first.append(step)
+                        total = step.total_bytes(data_bytes)
+                        if not bf16:
+                            worth = remat.record(target, total)
+                        rec = Recommendation(k, per_replica // k, int(total), bf16=bf16,
+                                             rematerialize=target is not None,
+                                             compiled=True, sharding=mode,
+                                             remat_layers=layers, compiled_under=distribution)
+                        candidates.append(rec)
+                        if total <= usable:
+                            return tuple(candidates), rec
+        return tuple(candidates), None
+    finally:
+        if notes is not None:
+            notes.extend(remat.notes)
 
 
 def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
@@ -191,15 +213,16 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
         act = ActivationModel(((per_replica, max(activation, 0)),))
     largest = largest_batch(usable, weights + optimizer, act, data_bytes / per_replica,
                             other) if k == 1 else 0
-    candidates, recommendation = (), None
+    candidates, recommendation, search_notes = (), None, []
     if search:
         candidates, recommendation = search_levers(
-            compile_fn, features, per_replica, usable, data_bytes, cap, user_model, progress)
+            compile_fn, features, per_replica, usable, data_bytes, cap, user_model, progress,
+            search_notes)
     if progress is not None:
         progress(calls[0], calls[0], None)
     names = tuple(type(f).__name__ for f in sorted(features, key=lambda f: (f.order, f.name)))
     bf16 = _has(features, "compute_policy")
-    notes = list(notes)
+    notes = list(notes) + search_notes
     own_precision = model_precision(user_model)
     if not step.extrapolated:
         notes.append("activations per sample: the compiled temporaries divided by the "
