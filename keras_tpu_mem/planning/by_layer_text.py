@@ -12,6 +12,7 @@ from __future__ import annotations
 import textwrap
 
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.planning.compiled import Compiler
 from keras_tpu_mem.planning.sharding_lever import compiling_under
 
 #: The rows a plan's text and an out-of-memory message show.
@@ -66,3 +67,43 @@ def top_lines(table, of: str, indent: str = "  ", n: int = TOP, whole: str = "")
     head = f"{indent}memory by layer of {of} ({n} largest at the peak{whole}):"
     body = textwrap.indent(table.table(n), indent + "  ")
     return [head, *body.splitlines()]
+
+
+def failing_lines(model, features, memory, unit: str = "replica") -> list:
+    """The out-of-memory message's lines: the five largest rows of the step that failed.
+
+    The plan behind the message (`memory`) holds that step's table already where it
+    recommended nothing; else the step is compiled once more (its `CompiledMemory`
+    comes from the compile cache) for the table. A table that cannot be computed is
+    one line saying so.
+    """
+    if memory.recommendation is None and memory.by_layer is not None:
+        table, note = memory.by_layer, None
+    else:
+        try:
+            reference = Compiler(model, what="plan")(memory.compiled_batches[-1], features)
+        except Exception as err:  # never hide the out-of-memory error itself
+            logger.debug("memory by layer failed", exc_info=True)
+            return [f"Memory by layer could not be computed ({type(err).__name__})."]
+        table, note = table_of(reference)
+    if table is None:
+        return [note[0].upper() + note[1:]]
+    of = f"the step that failed, per-{unit} batch {memory.compiled_batches[-1]}"
+    head, *rows = top_lines(table, of, indent="")
+    return [head[0].upper() + head[1:], *rows]
+
+
+def whole_table_text(model, memory) -> str:
+    """`keras-tpu-mem plan --by-layer`: the plan's whole table, under a line naming its
+    configuration. An estimate (TensorFlow without callbacks or search) has none: the
+    largest batch it compiled is compiled once more for the table of the model's own
+    train step there."""
+    if memory.by_layer is not None:
+        return f"Memory by layer of {memory.by_layer_of}:\n{memory.by_layer}"
+    batch = max(memory.compiled_batches)
+    table, note = table_of(Compiler(model, what="plan")(batch))
+    if table is None:
+        return note[0].upper() + note[1:]
+    return (f"Memory by layer of the model's train step at per-replica batch {batch} (the "
+            "plan above is an estimate; this is the largest batch it compiled, without "
+            f"its levers):\n{table}")
