@@ -113,3 +113,46 @@ def check_a_table_that_fails_is_a_note(monkeypatch):
     text = str(planned)
     assert "memory by layer could not be computed (RuntimeError: no dump here)." in text
     assert "memory by layer of" not in text
+
+
+_UNITS = {"B": 1, "KiB": 1024, "MiB": MIB, "GiB": 1024 * MIB}
+
+
+def to_bytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * _UNITS[unit]
+
+
+def check_oom_message_shows_the_failing_steps_rows(error):
+    """The message's five rows are of the step that failed (the whole batch), not of the
+    recommendation (a micro-batch of it): its largest saver keeps more than there (k
+    times as much on JAX; TensorFlow's micro-batch loop keeps about twice a
+    micro-batch's activations, so only "clearly more" is asserted)."""
+    message = str(error)
+    assert "Memory by layer of the step that failed" in message
+    shown = rows_in(message.split("Smallest change")[0])
+    assert len(shown) == 5
+    rec = error.plan.recommendation
+    k = rec.accumulation_steps
+    assert k > 1 and error.plan.by_layer is not None
+    name = max(shown, key=lambda n: to_bytes(shown[n][2]))
+    failing = to_bytes(shown[name][2])
+    micro = error.plan.by_layer[name].saved_activations
+    assert failing >= 1.5 * micro, (name, micro, k, failing)
+    # Beside the smallest change that fits.
+    assert message.index("Memory by layer of") < message.index("Smallest change that fits")
+
+
+def check_oom_raises_when_the_table_fails(monkeypatch, fit_failing):
+    """`fit_failing()` runs a fit whose step raises RESOURCE_EXHAUSTED and returns the
+    `StepOutOfMemoryError`; with the by-layer compile broken the error still comes,
+    with one line saying so."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no dump here")
+
+    monkeypatch.setattr(backends.current().compiled_layers, "layer_rows", broken)
+    error = fit_failing()
+    message = str(error)
+    lines = [line for line in message.splitlines() if "by layer" in line.lower()]
+    assert lines == ["Memory by layer could not be computed (RuntimeError: no dump here)."]
+    assert "compiled total" in message  # the breakdown is still there
