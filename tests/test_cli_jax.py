@@ -47,6 +47,7 @@ def test_plan_by_layer_prints_the_planned_steps_whole_table(factory, capsys):
     assert len(lines) == 1 + 2 + len(table)
 
 
+@pytest.mark.slow  # two searches (the command's and the API's reference): about 40 s
 def test_plan_search_by_layer_prints_the_recommendations_table(factory, capsys):
     spec, build = factory
     whole = compiled_memory(build(), 512, hlo_text=False).total_bytes
