@@ -69,6 +69,10 @@ def plot(table, path=None, top: int | None = 20, title: str | None = None):
         ax.barh(positions, widths, left=left, color=colour, label=label, height=0.7,
                 gid=key)
         left = [a + b for a, b in zip(left, widths)]
+    # Each bar's length at its end, so the numbers read without the grid.
+    for y, length in zip(positions, left):
+        ax.text(length, y, f" {length:.1f}", va="center", fontsize=8)
+    ax.margins(x=0.08)
     ax.set_yticks(positions, names)
     ax.invert_yaxis()  # the largest bar on top
     ax.set_xlabel("MiB per device")
