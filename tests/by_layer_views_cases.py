@@ -156,3 +156,15 @@ def check_oom_raises_when_the_table_fails(monkeypatch, fit_failing):
     lines = [line for line in message.splitlines() if "by layer" in line.lower()]
     assert lines == ["Memory by layer could not be computed (RuntimeError: no dump here)."]
     assert "compiled total" in message  # the breakdown is still there
+
+
+def check_by_layer_false_skips_the_compile(monkeypatch):
+    import pytest
+
+    model = small_model()
+    calls = count_dump_compiles(monkeypatch)
+    planned = plan(model, BATCH, device="1GiB", callbacks=[], by_layer=False)
+    assert planned.by_layer is None and not calls
+    assert "memory by layer" not in str(planned)
+    with pytest.raises(TypeError, match="`by_layer`"):
+        plan(model, BATCH, device="1GiB", callbacks=[], by_layer="yes")

@@ -25,3 +25,7 @@ def test_an_estimate_has_no_table(monkeypatch):
     planned = plan(cases.small_model(), cases.BATCH, device="1GiB")
     assert planned.by_layer is None and not calls
     assert "memory by layer" not in str(planned)
+
+
+def test_by_layer_false_skips_the_compile(monkeypatch):
+    cases.check_by_layer_false_skips_the_compile(monkeypatch)

@@ -26,3 +26,7 @@ def test_the_plainest_plan_compiles_and_has_a_table(monkeypatch):
     planned = plan(cases.small_model(), cases.BATCH, device="1GiB")
     assert len(calls) == 1 and planned.by_layer is not None
     assert planned.by_layer_of.startswith("the planned step")
+
+
+def test_by_layer_false_skips_the_compile(monkeypatch):
+    cases.check_by_layer_false_skips_the_compile(monkeypatch)

@@ -122,6 +122,7 @@ def plan(
     callbacks=None,
     search: bool = False,
     max_compile_batch: int = MAX_COMPILE_BATCH,
+    by_layer: bool = True,
 ) -> MemoryPlan:
     """Plans one replica's memory for training `model` at `global_batch_size`.
 
@@ -178,6 +179,11 @@ def plan(
             feature callbacks (distillation, pruning) stay in every candidate.
         max_compile_batch: The largest per-replica batch compiled directly
             (with `callbacks` or `search`).
+        by_layer: Where the plan compiles the step, also compile the
+            configuration it reports (the recommendation, else the planned
+            step) once more for its memory by Keras layer: `MemoryPlan.by_layer`,
+            whose five largest rows the plan's text shows. False skips that
+            compile (`by_layer` is then None).
 
     Example:
 
@@ -188,7 +194,8 @@ def plan(
     ```
 
     Returns:
-        A `MemoryPlan`; `print` it for the table and the recommendation.
+        A `MemoryPlan`; `print` it for the table and the recommendation (and, for a
+        compiled plan, the five largest rows of its memory by layer).
 
     Raises:
         ValueError / TypeError for bad arguments, naming what is accepted.
@@ -196,6 +203,8 @@ def plan(
     _validate_plan_args(global_batch_size, headroom, accumulation_steps, compile_batches)
     if not isinstance(search, bool):
         raise TypeError(f"`search` must be True or False, got {search!r}.")
+    if not isinstance(by_layer, bool):
+        raise TypeError(f"`by_layer` must be True or False, got {by_layer!r}.")
     check_positive_int(max_compile_batch, "max_compile_batch")
     if callbacks is None and not search and not backends.current("plan").compiled.ESTIMATES:
         # No estimate here (JAX compiles are cheap, and its small-batch compiles
@@ -206,7 +215,7 @@ def plan(
     if callbacks is not None or search:
         return _plan_on_compiles(model, global_batch_size, device, callbacks, search,
                                  accumulation_steps, precision, headroom, compile_batches,
-                                 x_spec, y_spec, progress, max_compile_batch)
+                                 x_spec, y_spec, progress, max_compile_batch, by_layer)
     budget_device = resolve_device(device)
     wanted_precision = _normalise_precision(precision)
     replicas = budget_device.replicas
@@ -310,7 +319,8 @@ def _levers_for(model, accumulation_steps, precision, compile_batches) -> list:
 
 
 def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accumulation_steps,
-                      precision, headroom, compile_batches, x_spec, y_spec, progress, cap):
+                      precision, headroom, compile_batches, x_spec, y_spec, progress, cap,
+                      by_layer=True):
     """`plan(..., callbacks=...)` / `plan(..., search=True)`: see `search.compiled_plan`."""
     for name, value in (("accumulation_steps", accumulation_steps), ("precision", precision),
                         ("compile_batches", compile_batches)):
@@ -337,4 +347,4 @@ def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accum
     return compiled_plan(compiler, features, budget_device=budget_device,
                          global_batch_size=global_batch_size, per_replica=per_replica,
                          headroom=headroom, search=search, cap=cap, progress=wrapped,
-                         notes=notes)
+                         notes=notes, by_layer=by_layer)

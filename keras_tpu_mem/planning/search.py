@@ -161,7 +161,7 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
 
 def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
                   per_replica: int, headroom: float, search: bool, cap: int, progress=None,
-                  notes=()):
+                  notes=(), by_layer: bool = True):
     """A `MemoryPlan` from compiles of the engine's step for `features`."""
     calls = [0]
 
@@ -198,8 +198,10 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
         candidates, recommendation, recommended = search_levers(
             compile_fn, features, per_replica, usable, data_bytes, cap, user_model, progress)
     # The by-layer table of the configuration the plan reports, one more compile.
-    table, table_of, table_note = plan_table(user_model, recommended, recommendation, ref,
-                                             active_distribution())
+    table, table_of, table_note = None, "", None
+    if by_layer:
+        table, table_of, table_note = plan_table(user_model, recommended, recommendation, ref,
+                                                 active_distribution())
     if progress is not None:
         progress(calls[0], calls[0], None)
     names = tuple(type(f).__name__ for f in sorted(features, key=lambda f: (f.order, f.name)))
