@@ -142,10 +142,17 @@ def _plan(args: argparse.Namespace) -> int:
     progress = _CompileProgress()
     progress.say(f"building the model from {args.model} ...")
     model = load_model_factory(args.model)()
-    print(plan(model, args.global_batch, device=args.device,
-               accumulation_steps=args.accumulation_steps, precision=args.precision,
-               headroom=args.headroom, compile_batches=args.compile_batches,
-               search=args.search, progress=progress))
+    planned = plan(model, args.global_batch, device=args.device,
+                   accumulation_steps=args.accumulation_steps, precision=args.precision,
+                   headroom=args.headroom, compile_batches=args.compile_batches,
+                   search=args.search, progress=progress)
+    print(planned)
+    if args.by_layer:
+        from keras_tpu_mem.planning.by_layer_text import whole_table_text
+
+        progress.say("compiling the step once more for its memory by layer ...")
+        print()
+        print(whole_table_text(model, planned))
     return 0
 
 
@@ -211,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--search", action="store_true",
                       help="also search the levers (accumulation, bf16, rematerialisation), "
                            "compiling each candidate; recommends the cheapest that fits")
+    plan.add_argument("--by-layer", action="store_true",
+                      help="after the plan, print its memory by Keras layer: every row "
+                           "(weights, optimizer slots, saved activations, at the peak)")
     plan.set_defaults(func=_plan)
     return parser
 

@@ -274,3 +274,37 @@ def test_a_name_that_needs_tensorflow_says_how_to_install_it():
         "ImportError: keras_tpu_mem.GradientAccumulation needs TensorFlow, which is not "
         "installed."), result.stdout
     assert "pip install keras-tpu-mem[tensorflow]" in result.stdout
+
+
+def test_plan_by_layer_prints_the_whole_table_after_the_plan(tmp_path, capsys):
+    """An estimate (no --search on TensorFlow) has no table of its own: --by-layer
+    compiles the largest batch it compiled once more; with --search it is the plan's."""
+    path = tmp_path / "tiny_model.py"
+    path.write_text(_TINY_MODEL)
+    namespace = {}
+    exec(_TINY_MODEL, namespace)
+    argv = ["plan", "--model", f"{path}:build", "--global-batch", "8", "--device", "1GiB",
+            "--compile-batches", "1,2", "--by-layer"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    plan_text, _, table_text = out.partition("\n\nMemory by layer of ")
+    assert plan_text.startswith("Memory plan on 1 GiB")
+    assert table_text.startswith("the model's train step at per-replica batch 2")
+    # The same numbers as the API's table for a model from the same factory (layer
+    # names differ between the two models: Keras numbers them per process).
+    table = ktm.compiled_memory(namespace["build"](), 2, hlo_text=False).by_layer()
+    lines = table_text.rstrip("\n").splitlines()
+    assert lines[1] == str(table).splitlines()[0]
+    assert len(lines) == 1 + 2 + len(table)  # what, head, columns, every row
+
+    argv = ["plan", "--model", f"{path}:build", "--global-batch", "8", "--device", "1GiB",
+            "--search", "--by-layer"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    planned = ktm.plan(namespace["build"](), 8, device="1GiB", search=True)
+    plan_text, _, table_text = out.partition("\n\nMemory by layer of ")
+    assert "memory by layer of " in plan_text  # the plan's own five rows
+    assert table_text.startswith(planned.by_layer_of + ":\n")
+    lines = table_text.rstrip("\n").splitlines()
+    assert lines[1] == str(planned.by_layer).splitlines()[0]
+    assert len(lines) == 1 + 2 + len(planned.by_layer)

@@ -3,6 +3,7 @@ RESOURCE_EXHAUSTED in a fit becomes `StepOutOfMemoryError` with the compiled bre
 
 from __future__ import annotations
 
+import by_layer_views_cases
 import keras
 import numpy as np
 import pytest
@@ -61,7 +62,23 @@ def test_out_of_memory_is_explained_with_the_compiled_breakdown():
     assert "capacity" in message and format_bytes(info.value.plan.capacity_bytes) in message
     rec = info.value.plan.recommendation
     assert rec is not None and "GradientAccumulation(" in message
+    by_layer_views_cases.check_oom_message_shows_the_failing_steps_rows(info.value)
     # The recommended callbacks, compiled for the same model right after the
     # error (the failed fit's features are off it), fit the budget.
     check = compiled_memory(model, 2048, callbacks=rec.callbacks(), hlo_text=False)
     assert check.total_bytes <= budget
+
+
+def test_out_of_memory_still_raises_when_the_by_layer_table_fails(monkeypatch):
+    from keras_tpu_mem.planning import StepOutOfMemoryError
+
+    model = _oom_mlp()
+    x, y = np.zeros((256, 256), "float32"), np.zeros((256,), "int32")
+
+    def fit_failing():
+        _InjectedOOM.armed = True
+        with pytest.raises(StepOutOfMemoryError) as info:
+            model.fit(x, y, batch_size=256, epochs=1, verbose=0, callbacks=[_InjectedOOM()])
+        return info.value
+
+    by_layer_views_cases.check_oom_raises_when_the_table_fails(monkeypatch, fit_failing)

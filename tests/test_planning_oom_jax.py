@@ -3,6 +3,7 @@ in a fit becomes `StepOutOfMemoryError` with the compiled breakdown."""
 
 from __future__ import annotations
 
+import by_layer_views_cases
 import jax
 import numpy as np
 import pytest
@@ -51,7 +52,21 @@ def test_out_of_memory_is_explained_with_the_compiled_breakdown():
     assert "capacity" in message and format_bytes(info.value.plan.capacity_bytes) in message
     rec = info.value.plan.recommendation
     assert rec is not None and "GradientAccumulation(" in message
+    by_layer_views_cases.check_oom_message_shows_the_failing_steps_rows(info.value)
     # The recommended callbacks, compiled for the same model right after the
     # error (the failed fit's features are off it), fit the budget.
     check = compiled_memory(model, 2048, callbacks=rec.callbacks(), hlo_text=False)
     assert check.total_bytes <= budget
+
+
+def test_out_of_memory_still_raises_when_the_by_layer_table_fails(monkeypatch):
+    model = wide_mlp(width=64, depth=2, inputs=32)
+    x, y = np.zeros((256, 32), "float32"), np.zeros((256,), "int32")
+
+    def fit_failing():
+        InjectedOOM.armed = True
+        with pytest.raises(StepOutOfMemoryError) as info:
+            model.fit(x, y, batch_size=256, epochs=1, verbose=0, callbacks=[InjectedOOM()])
+        return info.value
+
+    by_layer_views_cases.check_oom_raises_when_the_table_fails(monkeypatch, fit_failing)

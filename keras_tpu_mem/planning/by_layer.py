@@ -99,6 +99,29 @@ class LayerTable:
     def __str__(self) -> str:
         return self.table()
 
+    def plot(self, path=None, top: int | None = 20, title: str | None = None):
+        """A horizontal bar chart, one bar per row (largest on top), stacked by kind:
+        weights, optimizer slots, saved activations, and what else the row holds at
+        the peak. Bytes in MiB per device; needs matplotlib.
+
+        Args:
+            path: Where to save it as a PNG (None: not saved).
+            top: The most rows drawn, the largest (None: all).
+            title: The figure's title (default: the peak and the compiled total).
+
+        Returns:
+            The `matplotlib.figure.Figure`.
+
+        Example:
+
+        ```python
+        ktm.compiled_memory(model, 512).by_layer().plot("by_layer.png", top=10)
+        ```
+        """
+        from keras_tpu_mem.planning.by_layer_figure import plot
+
+        return plot(self, path, top, title)
+
     def __repr__(self) -> str:
         return (f"LayerTable({len(self.rows)} rows, peak_bytes={self.peak_bytes}, "
                 f"slack_bytes={self.slack_bytes})")

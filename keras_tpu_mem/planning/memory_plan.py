@@ -161,6 +161,11 @@ class MemoryPlan:
     #: Whether a recommendation was looked for (the estimate's accumulation
     #: sweep, or `search=True`); False for `plan(..., callbacks=...)` alone.
     searched: bool = True
+    #: The `LayerTable` of the configuration the plan reports (the recommendation,
+    #: else the planned step) where the plan compiled the step; None for an estimate.
+    by_layer: object = dataclasses.field(default=None, compare=False, repr=False)
+    #: Which configuration `by_layer` is of, in words.
+    by_layer_of: str = ""
 
     @property
     def capacity_bytes(self) -> int:
@@ -256,6 +261,11 @@ class MemoryPlan:
             lines.append(line)
         if self.candidates:
             lines.append(candidates_table(self.candidates, self.usable_bytes))
+        if self.by_layer is not None:
+            from keras_tpu_mem.planning.by_layer_text import top_lines
+
+            lines.extend(top_lines(self.by_layer, self.by_layer_of,
+                                   whole="; plan.by_layer has every row"))
         for note in self.notes:
             lines.extend(textwrap.wrap(note, width=96, initial_indent="  note: ",
                                        subsequent_indent="        "))

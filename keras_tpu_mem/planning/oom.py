@@ -11,6 +11,8 @@ chained to the original. It holds:
 * XLA's compiled breakdown of **this** step (the same features) at the batch
   that failed: weights, optimizer slots, gradient accumulators, activations
   (per sample), input batch, total against the device's capacity;
+* the five largest rows of that step's memory by Keras layer at XLA's peak
+  (`CompiledMemory.by_layer()`; a line saying so where it cannot be computed);
 * the smallest change that fits, from `plan(..., search=True)`: each candidate
   compiled, cheapest first, and the callbacks that realise it.
 
@@ -29,6 +31,7 @@ import re
 from keras_tpu_mem import backends, devices, engine
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.planning.budget import DeviceBudget, resolve_device
+from keras_tpu_mem.planning.by_layer_text import failing_lines
 from keras_tpu_mem.planning.memory_plan import candidates_table
 from keras_tpu_mem.planning.planner import plan
 from keras_tpu_mem.planning.search import _LEVER_NAMES
@@ -146,6 +149,7 @@ def explain_out_of_memory(model, features, global_batch_size, error,
              + (f"{fb(budget.capacity_bytes)} ({budget.source})" if searched else
                 "unknown (set it with ktm.planning.set_oom_device('v5litepod-8' or "
                 "'16GiB') for a recommendation)")]
+    lines.extend(failing_lines(model, features, memory, compiled.UNIT))
     rec = memory.recommendation
     if searched and rec is not None:
         lines.append(f"Smallest change that fits ({headroom:.0%} headroom): {rec.describe()}, "

@@ -131,6 +131,7 @@ def plan(
     search: bool = False,
     max_compile_batch: int = MAX_COMPILE_BATCH,
     sample_batch=None,
+    by_layer: bool = True,
 ) -> MemoryPlan:
     """Plans one replica's memory for training `model` at `global_batch_size`.
 
@@ -195,6 +196,11 @@ def plan(
             feature callbacks (distillation, pruning) stay in every candidate.
         max_compile_batch: The largest per-replica batch compiled directly
             (with `callbacks` or `search`).
+        by_layer: Where the plan compiles the step, also compile the
+            configuration it reports (the recommendation, else the planned
+            step) once more for its memory by Keras layer: `MemoryPlan.by_layer`,
+            whose five largest rows the plan's text shows. False skips that
+            compile (`by_layer` is then None).
 
     Example:
 
@@ -205,7 +211,8 @@ def plan(
     ```
 
     Returns:
-        A `MemoryPlan`; `print` it for the table and the recommendation.
+        A `MemoryPlan`; `print` it for the table and the recommendation (and, for a
+        compiled plan, the five largest rows of its memory by layer).
 
     Raises:
         ValueError / TypeError for bad arguments, naming what is accepted.
@@ -213,6 +220,8 @@ def plan(
     _validate_plan_args(global_batch_size, headroom, accumulation_steps, compile_batches)
     if not isinstance(search, bool):
         raise TypeError(f"`search` must be True or False, got {search!r}.")
+    if not isinstance(by_layer, bool):
+        raise TypeError(f"`by_layer` must be True or False, got {by_layer!r}.")
     check_positive_int(max_compile_batch, "max_compile_batch")
     if callbacks is None and not search and not backends.current("plan").compiled.ESTIMATES:
         # No estimate here (JAX compiles are cheap, and its small-batch compiles
@@ -223,7 +232,8 @@ def plan(
     if callbacks is not None or search:
         return _plan_on_compiles(model, global_batch_size, device, callbacks, search,
                                  accumulation_steps, precision, headroom, compile_batches,
-                                 x_spec, y_spec, progress, max_compile_batch, sample_batch)
+                                 x_spec, y_spec, progress, max_compile_batch, sample_batch,
+                                 by_layer)
     budget_device = _device_for(device)
     wanted_precision = _normalise_precision(precision)
     replicas = budget_device.replicas
@@ -328,7 +338,7 @@ def _levers_for(model, accumulation_steps, precision, compile_batches) -> list:
 
 def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accumulation_steps,
                       precision, headroom, compile_batches, x_spec, y_spec, progress, cap,
-                      sample_batch=None):
+                      sample_batch=None, by_layer=True):
     """`plan(..., callbacks=...)` / `plan(..., search=True)`: see `search.compiled_plan`."""
     for name, value in (("accumulation_steps", accumulation_steps), ("precision", precision),
                         ("compile_batches", compile_batches)):
@@ -355,4 +365,4 @@ def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accum
     return compiled_plan(compiler, features, budget_device=budget_device,
                          global_batch_size=global_batch_size, per_replica=per_replica,
                          headroom=headroom, search=search, cap=cap, progress=wrapped,
-                         notes=notes)
+                         notes=notes, by_layer=by_layer)

@@ -27,6 +27,7 @@ from keras_tpu_mem.planning.budget import (
     largest_batch,
     model_precision,
 )
+from keras_tpu_mem.planning.by_layer_text import plan_table
 from keras_tpu_mem.planning.memory_plan import Recommendation, assemble, lever_callbacks
 from keras_tpu_mem.planning.remat_lever import RematLever
 from keras_tpu_mem.planning.sharding_lever import (
@@ -124,7 +125,8 @@ def _divisor_for(features, per_replica: int) -> int:
 
 def search_levers(compile_fn, base_features, per_replica: int, usable: int, data_bytes: int,
                   cap: int, model, progress=None, notes=None):
-    """Compiles candidates cheapest first; returns `(candidates, first that fits or None)`.
+    """Compiles candidates cheapest first; returns `(candidates, first that fits or None,
+    its reference `CompiledMemory` or None)`.
 
     Each candidate is a `Recommendation` with `compiled=True` and its compiled
     total. Candidates: k in the divisors of `per_replica` (ascending); for each,
@@ -172,8 +174,8 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
                                              remat_layers=layers, compiled_under=distribution)
                         candidates.append(rec)
                         if total <= usable:
-                            return tuple(candidates), rec
-        return tuple(candidates), None
+                            return tuple(candidates), rec, step.reference
+        return tuple(candidates), None, None
     finally:
         if notes is not None:
             notes.extend(remat.notes)
@@ -181,7 +183,7 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
 
 def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
                   per_replica: int, headroom: float, search: bool, cap: int, progress=None,
-                  notes=()):
+                  notes=(), by_layer: bool = True):
     """A `MemoryPlan` from compiles of the engine's step for `features`."""
     calls = [0]
 
@@ -213,11 +215,16 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
         act = ActivationModel(((per_replica, max(activation, 0)),))
     largest = largest_batch(usable, weights + optimizer, act, data_bytes / per_replica,
                             other) if k == 1 else 0
-    candidates, recommendation, search_notes = (), None, []
+    candidates, recommendation, recommended, search_notes = (), None, None, []
     if search:
-        candidates, recommendation = search_levers(
+        candidates, recommendation, recommended = search_levers(
             compile_fn, features, per_replica, usable, data_bytes, cap, user_model, progress,
             search_notes)
+    # The by-layer table of the configuration the plan reports, one more compile.
+    table, table_of, table_note = None, "", None
+    if by_layer:
+        table, table_of, table_note = plan_table(user_model, recommended, recommendation, ref,
+                                                 active_distribution())
     if progress is not None:
         progress(calls[0], calls[0], None)
     names = tuple(type(f).__name__ for f in sorted(features, key=lambda f: (f.order, f.name)))
@@ -230,6 +237,8 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
     if search and recommendation is None:
         notes.append("no candidate of the search fits: a smaller global batch, more "
                      "replicas or a larger device.")
+    if table_note is not None:
+        notes.append(table_note)
     return assemble(budget_device, global_batch_size, per_replica, k, ref,
                     headroom=headroom, precision="mixed_bfloat16" if bf16 else own_precision,
                     own_precision=own_precision, trainable=trainable, accumulators=accum,
@@ -237,4 +246,4 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
                     activations=(per_sample, fixed), batches=step.batches,
                     extrapolated=step.extrapolated, recommendation=recommendation,
                     largest=largest, notes=notes, features=names, candidates=candidates,
-                    searched=bool(search))
+                    searched=bool(search), by_layer=table, by_layer_of=table_of)

@@ -1,0 +1,63 @@
+"""`keras-tpu-mem plan` on JAX (cli.py): the plan, `--search` and `--by-layer` (issue 22
+item 2; the TensorFlow twin is test_cli.py). On JAX every plan compiles the step, so
+`--by-layer` prints the plan's own table."""
+
+from __future__ import annotations
+
+import pytest
+
+from keras_tpu_mem import cli
+from keras_tpu_mem.planning import compiled_memory, plan
+
+_FACTORY = (
+    "import keras\n\n"
+    "def build():\n"
+    "    model = keras.Sequential([keras.Input((64,)),\n"
+    "                              keras.layers.Dense(256, activation='relu'),\n"
+    "                              keras.layers.Dense(10)])\n"
+    "    model.compile(optimizer='adam', loss='sparse_categorical_crossentropy')\n"
+    "    return model\n")
+
+
+@pytest.fixture
+def factory(tmp_path):
+    path = tmp_path / "factory.py"
+    path.write_text(_FACTORY)
+    namespace = {}
+    exec(_FACTORY, namespace)
+    return f"{path}:build", namespace["build"]
+
+
+def _split(out):
+    plan_text, sep, table_text = out.partition("\n\nMemory by layer of ")
+    assert sep, out
+    return plan_text, table_text.rstrip("\n").splitlines()
+
+
+def test_plan_by_layer_prints_the_planned_steps_whole_table(factory, capsys):
+    spec, build = factory
+    assert cli.main(["plan", "--model", spec, "--global-batch", "512", "--device", "v5e-1",
+                     "--by-layer"]) == 0
+    plan_text, lines = _split(capsys.readouterr().out)
+    assert plan_text.startswith("Memory plan on v5e-1") and "fits: yes" in plan_text
+    assert lines[0].startswith("the planned step, per-replica batch 512")
+    # The API's table for a model from the same factory: the same totals, every row.
+    table = compiled_memory(build(), 512, hlo_text=False).by_layer()
+    assert lines[1] == str(table).splitlines()[0]
+    assert len(lines) == 1 + 2 + len(table)
+
+
+@pytest.mark.slow  # two searches (the command's and the API's reference): about 40 s
+def test_plan_search_by_layer_prints_the_recommendations_table(factory, capsys):
+    spec, build = factory
+    whole = compiled_memory(build(), 512, hlo_text=False).total_bytes
+    device = f"{whole * 0.6 / 1024**2:.4f}MiB"
+    assert cli.main(["plan", "--model", spec, "--global-batch", "512", "--device", device,
+                     "--search", "--by-layer"]) == 0
+    plan_text, lines = _split(capsys.readouterr().out)
+    assert "search (compiled" in plan_text and "-> fits with GradientAccumulation(" in plan_text
+    assert lines[0].startswith("the recommendation (GradientAccumulation(")
+    planned = plan(build(), 512, device=device, search=True)
+    assert lines[0] == planned.by_layer_of + ":"
+    assert lines[1] == str(planned.by_layer).splitlines()[0]
+    assert len(lines) == 1 + 2 + len(planned.by_layer)
