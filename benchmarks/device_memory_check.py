@@ -160,7 +160,7 @@ def _header(shape, fresh):
 
 
 def _mib(n):
-    return "n/a" if n is None else f"{n / 2**20:.1f}"
+    return "n/a" if n is None else f"{n / 2**20:.2f}"
 
 
 def _markdown(result):

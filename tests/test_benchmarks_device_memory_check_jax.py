@@ -39,9 +39,10 @@ def _result(figure, fresh):
 def test_markdown_shows_device_peak_only_when_the_device_measured_it():
     module = _module()
     device = module._markdown(_result("memory_stats()['peak_bytes_in_use']", True))
-    assert "| device peak (MiB) |" in device and "| plain | 8 | 3.0 | 2.0 | 1.0 | 2.0 |" in device
+    assert "| device peak (MiB) |" in device
+    assert "| plain | 8 | 3.00 | 2.00 | 1.00 | 2.00 |" in device
     host = module._markdown(_result("host: rise of the process's peak RSS", True))
-    assert "host RSS rise (MiB, not device)" in host and "| plain | 8 | 5.0 |" in host
+    assert "host RSS rise (MiB, not device)" in host and "| plain | 8 | 5.00 |" in host
     mixed = _result("n/a: all rows ran in one process", False)
     mixed["rows"][0]["device_peak_bytes"] = mixed["rows"][0]["host_max_rss_rise_bytes"] = None
     shared = module._markdown(mixed)
