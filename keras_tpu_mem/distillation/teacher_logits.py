@@ -27,8 +27,11 @@ class TeacherLogits(keras.utils.PyDataset):
     `{"ktm_teacher_logits": [b, classes]}` or
     `{"ktm_teacher_top_k_values": [b, k], "ktm_teacher_top_k_indices": [b, k]}`
     (float32 values, int32 indices): the structure `Distillation()` reads.
-    Batches are not shuffled (`fit(shuffle=True)` does not shuffle a
-    PyDataset): shuffle the arrays before caching if the order matters.
+    `fit`'s default `shuffle=True` shuffles the order of the batches (each
+    batch's examples stay together); shuffle the arrays before caching to mix
+    them, `shuffle=False` keeps the order. Keras' build of the student from
+    the first batch (before any callback) gets that batch without the logits,
+    so no `prepare_student` is needed (with one worker, the default).
 
     Args:
         data: The examples, `x` or a tuple `(x[, y[, sample_weight]])` of numpy arrays.
