@@ -201,6 +201,26 @@ def test_model_building_finds_the_model_whose_fit_builds_the_optimizer():
     assert keras_compat.model_building(model.optimizer) is None  # no fit on the stack
 
 
+def test_in_symbolic_build_is_true_only_inside_keras_build():
+    """`in_symbolic_build`: Keras' `_symbolic_build` is on the stack while it builds the
+    model from a batch, and not during a plain call."""
+    seen = []
+
+    class Spy(keras.layers.Layer):
+        def call(self, inputs):
+            seen.append(keras_compat.in_symbolic_build())
+            return inputs
+
+    model = keras.Sequential([keras.Input((3,)), Spy(), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    seen.clear()
+    model(np.zeros((2, 3), "float32"))
+    assert seen == [False]
+    keras_compat.symbolic_build(model, (np.zeros((2, 3), "float32"), np.zeros((2, 2), "float32")))
+    assert seen[1:] and all(seen[1:])
+    assert keras_compat.in_symbolic_build() is False
+
+
 def test_distribution_layout_map():
     """`distribution_layout_map`: the attribute Keras' ModelParallel keeps its LayoutMap in
     (read from its constructor: with Keras 3.12 on TensorFlow no keras.distribution can be

@@ -195,3 +195,25 @@ def test_compile_with_dump_writes_buffer_assignment_and_live_ranges(tmp_path):
     assert "(peak)" in live.read_text()
     # No per-pass dumps: only the module before and after optimization.
     assert not any("before_" in n and "optimizations" not in n for n in names)
+
+
+def test_in_symbolic_build_sees_the_batch_fit_builds_from():
+    """`in_symbolic_build`: JAX's fit reads a one-worker PyDataset's first batch inside
+    Keras' `_symbolic_build` (before any callback), then the training batches outside it."""
+    import keras
+    import numpy as np
+
+    calls = []
+
+    class Data(keras.utils.PyDataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            calls.append(keras_compat.in_symbolic_build())
+            return np.zeros((4, 3), "float32"), np.zeros((4, 2), "float32")
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(Data(), epochs=1, verbose=0, shuffle=False)
+    assert calls[0] is True and calls[-2:] == [False, False]

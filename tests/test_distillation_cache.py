@@ -17,7 +17,9 @@ from test_distillation_cache_jax import (  # noqa: F401  (collected here, on Ten
     test_array_cache_bad_arguments,
     test_cached_arrays_equal_predict_in_the_input_order,
     test_cached_bare_x_and_sample_weight_keep_their_structure,
+    test_cached_batches_keep_their_logits_outside_the_symbolic_build,
     test_cached_top_k_values_and_indices,
+    test_fit_on_cached_arrays_needs_no_prepare_student,
     test_npz_round_trip,
     test_npz_round_trip_of_dict_inputs,
 )

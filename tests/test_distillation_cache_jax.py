@@ -160,6 +160,60 @@ def test_array_cache_bad_arguments(tmp_path):
         load_teacher_logits(tmp_path / "other.npz")
 
 
+def _student(seed=4):
+    keras.utils.set_random_seed(seed)
+    student = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                keras.layers.Dense(CLASSES)])
+    student.compile(optimizer=keras.optimizers.SGD(0.1),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                    metrics=["accuracy"])
+    return student
+
+
+@pytest.mark.parametrize("with_sample_weight", [False, True])
+def test_fit_on_cached_arrays_needs_no_prepare_student(with_sample_weight):
+    """The user code a newcomer writes (no `prepare_student`) trains as the prepared student
+    does, and as the live teacher does. Keras builds the loss from the first batch before
+    any callback (always on JAX): without the logits, that build took them for labels."""
+    from keras_tpu_mem.distillation import Distillation, prepare_student
+
+    teacher = _teacher()
+    x, y, sw = _data(64)
+    data = (x, y, sw) if with_sample_weight else (x, y)
+    weights, losses = [], []
+    for how in ("plain", "prepared", "live"):
+        student = _student()
+        cached = cache_teacher_logits(teacher, data, batch_size=16)
+        if how == "prepared":
+            prepare_student(student, cached)
+        distillation = Distillation(teacher if how == "live" else None, temperature=2.0,
+                                    alpha=0.5)
+        if how == "live":
+            history = student.fit(*data[:2], sample_weight=data[2] if with_sample_weight
+                                  else None, batch_size=16, epochs=2, verbose=0,
+                                  shuffle=False, callbacks=[distillation])
+        else:
+            history = student.fit(cached, epochs=2, verbose=0, shuffle=False,
+                                  callbacks=[distillation])
+        weights.append([np.asarray(w) for w in student.get_weights()])
+        losses.append(history.history["loss"])
+    for other in weights[1:]:
+        for a, b in zip(weights[0], other):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+    np.testing.assert_allclose(losses[0], losses[2], rtol=1e-4)
+    untrained = [np.asarray(w) for w in _student().get_weights()]
+    assert max(np.abs(a - b).max() for a, b in zip(weights[0], untrained)) > 1e-3
+
+
+def test_cached_batches_keep_their_logits_outside_the_symbolic_build():
+    """Only Keras' build sees a batch without logits; indexing, iterating and training
+    steps get `(data, logits)`."""
+    cached = cache_teacher_logits(_teacher(), _data(20)[:2], batch_size=8)
+    assert all(isinstance(cached[i], tuple) and len(cached[i]) == 2
+               and set(cached[i][1]) == {LOGITS_KEY} for i in range(len(cached)))
+
+
 def test_cache_under_data_parallel_equals_plain_predict():
     if keras.backend.backend() != "jax":
         pytest.skip("keras.distribution is the JAX backend's")

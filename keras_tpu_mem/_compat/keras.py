@@ -182,6 +182,29 @@ def model_building(optimizer):
     return None
 
 
+def in_symbolic_build() -> bool:
+    """Whether the caller runs inside Keras' symbolic build of a model (its compiled
+    loss and metrics, from the first batch of the data) rather than a training step.
+
+    3.12-3.16: `fit` and `evaluate` call `Trainer._symbolic_build(iterator=...)`,
+    which draws the first batch from the data before any callback runs (always on
+    JAX; under a tf.distribute strategy on TensorFlow). A `keras.utils.PyDataset`
+    with one worker is read synchronously, so `_symbolic_build` is a caller a few
+    frames up. Keras tells a dataset no other way what its batch is for.
+    """
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(32):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "_symbolic_build" and "keras" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def name_scope_callers() -> list:
     """The objects that opened the current Keras name scopes, innermost last (3.12-3.16:
     the global attribute `"name_scope_stack"` of `keras.src.backend.common.global_state`,

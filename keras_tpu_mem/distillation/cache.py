@@ -194,11 +194,13 @@ def prepare_student(student, dataset) -> None:
     and metrics) from the first batch of the data, *before* any callback runs,
     and would take the cached logits for part of the data. This does that build
     from the first batch of `dataset` without them; afterwards `fit` does not
-    rebuild. On the JAX backend Keras' `fit` always builds from the first batch
-    before the callbacks run, so every student needs this before its first fit
-    on cached logits. On TensorFlow a student created outside any strategy
-    scope, or one that has already been trained or evaluated, needs no
-    preparation (calling this is harmless).
+    rebuild. A `TeacherLogits` (the array cache) gives that build its first
+    batch without the logits by itself, so on JAX (whose `fit` always builds
+    first) and on TensorFlow outside a strategy scope its students need no
+    preparation, unless it reads its batches in other threads (`workers` > 1).
+    On TensorFlow a student created outside any strategy scope, or one that
+    has already been trained or evaluated, needs none either. Calling this is
+    always harmless.
 
     Args:
         student: The compiled student model.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem.distillation.checks import check_batch_size
 from keras_tpu_mem.distillation.elements import KEYS, TOP_K_VALUES_KEY
 from keras_tpu_mem.distillation.npz import write as write_npz
@@ -26,8 +27,11 @@ class TeacherLogits(keras.utils.PyDataset):
     `{"ktm_teacher_logits": [b, classes]}` or
     `{"ktm_teacher_top_k_values": [b, k], "ktm_teacher_top_k_indices": [b, k]}`
     (float32 values, int32 indices): the structure `Distillation()` reads.
-    Batches are not shuffled (`fit(shuffle=True)` does not shuffle a
-    PyDataset): shuffle the arrays before caching if the order matters.
+    `fit`'s default `shuffle=True` shuffles the order of the batches (each
+    batch's examples stay together); shuffle the arrays before caching to mix
+    them, `shuffle=False` keeps the order. Keras' build of the student from
+    the first batch (before any callback) gets that batch without the logits,
+    so no `prepare_student` is needed (with one worker, the default).
 
     Args:
         data: The examples, `x` or a tuple `(x[, y[, sample_weight]])` of numpy arrays.
@@ -76,6 +80,12 @@ class TeacherLogits(keras.utils.PyDataset):
     def __getitem__(self, index):
         part = self._slice(index)
         data = keras.tree.map_structure(lambda a: a[part], self.data)
+        if keras_compat.in_symbolic_build():
+            # Keras builds the student's compiled loss and metrics from the first
+            # batch before any callback runs (`fit` on JAX), and would take the
+            # logits for labels: that build gets the batch without them, as
+            # `prepare_student` gives it. Training steps get the logits.
+            return data
         return data, {k: v[part] for k, v in self.logits.items()}
 
     def without_logits(self):
