@@ -64,8 +64,11 @@ def check_search_reports_the_recommendations_table(monkeypatch):
     planned = plan(model, BATCH, device=device, search=True)
     rec = planned.recommendation
     assert rec is not None and rec.accumulation_steps > 1 and len(planned.candidates) > 2
-    # One by-layer compile for the whole search, not one per candidate.
-    assert len(calls) == 1
+    # One by-layer compile for the plan's table, not one per candidate; where the
+    # backend has the rematerialisation lever (JAX), one more: the targeted lever
+    # ranks the layers from the table of the search's first compile.
+    targeted = 1 if backends.current("plan").compiled.REMATERIALIZE_LEVER else 0
+    assert len(calls) == 1 + targeted
     table = planned.by_layer
     assert isinstance(table, LayerTable)
     assert "the recommendation" in planned.by_layer_of and rec.describe() in planned.by_layer_of
