@@ -79,3 +79,14 @@ def small_transformer(seq=16, dim=32, heads=2, vocab=64):
 
 def nbytes(variables) -> int:
     return sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables)
+
+
+def sequence_model(vocab=100, classes=5):
+    """Unknown sequence length: Input((None,), int32) -> Embedding -> pooling -> Dense."""
+    tokens = keras.Input((None,), dtype="int32")
+    hidden = keras.layers.Embedding(vocab, 16)(tokens)
+    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    model = keras.Model(tokens, keras.layers.Dense(classes)(hidden))
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model

@@ -11,33 +11,12 @@ from __future__ import annotations
 
 import keras
 import pytest
+from by_layer_cases import check_sums, floor_model
 from planning_models import encoder, nbytes
 
 import keras_tpu_mem as ktm
 from keras_tpu_mem.planning import compiled_memory
 from keras_tpu_mem.planning.by_layer import LayerTable
-
-
-def floor_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((256,)),
-        keras.layers.Dense(8192, activation="relu", name="wide"),
-        keras.layers.Dense(256, activation="relu", name="narrow"),
-        keras.layers.Dense(10, name="head")])
-    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    return model
-
-
-def check_sums(model, result, table):
-    assert sum(r.at_peak for r in table) == table.peak_bytes
-    assert table.peak_bytes + table.slack_bytes == result.total_bytes
-    assert 0 < table.peak_bytes <= result.total_bytes
-    assert table["unattributed"].at_peak <= 0.10 * table.peak_bytes
-    weights = nbytes(model.weights)
-    assert abs(sum(r.weights for r in table) - weights) <= 0.01 * weights
-    optimizer = nbytes(model.optimizer.variables)
-    assert abs(sum(r.optimizer for r in table) - optimizer) <= 0.01 * optimizer
 
 
 def test_floor_model_rows_sums_and_saved_activations():

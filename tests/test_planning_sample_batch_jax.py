@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import keras
 import numpy as np
+import planning_models
 import pytest
 from planning_models import wide_mlp
 
@@ -21,14 +22,7 @@ LENGTH, VOCAB, CLASSES = 12, 100, 5
 
 
 def sequence_model():
-    """Unknown sequence length: Input((None,), int32) -> Embedding -> pooling -> Dense."""
-    tokens = keras.Input((None,), dtype="int32")
-    hidden = keras.layers.Embedding(VOCAB, 16)(tokens)
-    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
-    model = keras.Model(tokens, keras.layers.Dense(CLASSES)(hidden))
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return planning_models.sequence_model(vocab=VOCAB, classes=CLASSES)
 
 
 def sample(rows=3):

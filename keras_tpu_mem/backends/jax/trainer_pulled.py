@@ -108,11 +108,10 @@ class PulledMicroBatchSteps:
 
         def local(trainable, non_trainable, optimizer_vars, metrics_vars, accumulators,
                   batch, feature_state):
-            start, offset = state.localize(non_trainable)
-            with state.layouts():
-                grads, local_non_trainable, local_metrics, updated = self._one_micro_batch(
+            offset, (grads, local_non_trainable, local_metrics, updated) = state.run(
+                non_trainable, lambda start: self._one_micro_batch(
                     features, trainable, start, optimizer_vars, metrics_vars, batch, k,
-                    feature_state)
+                    feature_state))
             sums = [a[0] + g.astype(a.dtype) for a, g in zip(accumulators, grads)]
             if apply:
                 # The one gradient reduction of the window (see `_sharded_micro_batches`).

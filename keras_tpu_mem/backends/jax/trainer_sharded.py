@@ -199,17 +199,16 @@ class ShardMapGradients:
 
         def local(trainable, non_trainable, optimizer_vars, metrics_vars, batch,
                   feature_state):
-            start, offset = per_device.localize(non_trainable)
             gather = None
             if layout is not None:
                 if scattered:
                     gather = layout.gather
                 else:
                     trainable = layout.gather(trainable)
-            with per_device.layouts():
-                sums, local_non_trainable, local_metrics, updated = self._micro_batch_loop(
+            offset, (sums, local_non_trainable, local_metrics, updated) = per_device.run(
+                non_trainable, lambda start: self._micro_batch_loop(
                     features, trainable, start, optimizer_vars, metrics_vars, batch,
-                    num_micro, feature_state, gather=gather)
+                    num_micro, feature_state, gather=gather))
             if layout is None:
                 # The one gradient reduction of the step: each device's sum of its
                 # own micro-batch gradients, averaged over the devices (every
@@ -254,11 +253,10 @@ class ShardMapGradients:
 
         def local(trainable, non_trainable, optimizer_vars, metrics_vars, accumulators,
                   batch, feature_state):
-            start, offset = per_device.localize(non_trainable)
-            with per_device.layouts():
-                grads, local_non_trainable, local_metrics, updated = self._one_micro_batch(
+            offset, (grads, local_non_trainable, local_metrics, updated) = per_device.run(
+                non_trainable, lambda start: self._one_micro_batch(
                     features, trainable, start, optimizer_vars, metrics_vars, batch, k,
-                    feature_state, gather=layout.gather)
+                    feature_state, gather=layout.gather))
             sums = []
             for a, g, wd, gd in zip(accumulators, grads, layout.weight_dims,
                                     layout.grad_dims):

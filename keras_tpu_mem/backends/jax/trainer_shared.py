@@ -174,6 +174,13 @@ class PerDeviceState:
         return [offset_seed(v, offset) if s else v
                 for v, s in zip(non_trainable, self.seeds)], offset
 
+    def run(self, non_trainable, step):
+        """`(offset, step(non_trainable with this device's seeds))`, traced under
+        `layouts()`: how every body over the batch axis starts."""
+        start, offset = self.localize(non_trainable)
+        with self.layouts():
+            return offset, step(start)
+
     def combine(self, non_trainable, local_non_trainable, updated, metrics_vars,
                 local_metrics, offset):
         """`(non_trainable, metrics_vars)` made replicated again after the local step."""
