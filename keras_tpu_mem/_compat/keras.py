@@ -182,13 +182,17 @@ def model_building(optimizer):
     return None
 
 
+_SYMBOLIC_BUILDS = ("_symbolic_build", "_maybe_symbolic_build")
+
+
 def in_symbolic_build() -> bool:
     """Whether the caller runs inside Keras' symbolic build of a model (its compiled
     loss and metrics, from the first batch of the data) rather than a training step.
 
-    3.12-3.16: `fit` and `evaluate` call `Trainer._symbolic_build(iterator=...)`,
+    3.12-3.15: `fit` and `evaluate` call `Trainer._symbolic_build(iterator=...)`,
     which draws the first batch from the data before any callback runs (always on
-    JAX; under a tf.distribute strategy on TensorFlow). A `keras.utils.PyDataset`
+    JAX; under a tf.distribute strategy on TensorFlow); 3.16's JAX trainer draws it
+    in `_maybe_symbolic_build` and passes it on. A `keras.utils.PyDataset`
     with one worker is read synchronously, so `_symbolic_build` is a caller a few
     frames up. Keras tells a dataset no other way what its batch is for.
     """
@@ -199,7 +203,7 @@ def in_symbolic_build() -> bool:
         if frame is None:
             return False
         code = frame.f_code
-        if code.co_name == "_symbolic_build" and "keras" in code.co_filename:
+        if code.co_name in _SYMBOLIC_BUILDS and "keras" in code.co_filename:
             return True
         frame = frame.f_back
     return False
