@@ -11,6 +11,13 @@ from keras_tpu_mem.engine import EngineCallback
 _MODES = ("layers", "activations")
 
 
+def output_layers(model) -> set:
+    """`{id(layer)}` of the layers whose outputs are the model's (their output feeds the
+    loss: nothing is saved for them)."""
+    return {id(getattr(t, "_keras_history", (None,))[0])
+            for t in keras.tree.flatten(getattr(model, "outputs", None) or [])}
+
+
 class Rematerialize(EngineCallback):
     """Recomputes layers' activations in the backward pass instead of keeping them.
 
@@ -66,7 +73,13 @@ class Rematerialize(EngineCallback):
     def from_config(cls, config):
         return cls(config.get("layers"), mode=config.get("mode", "layers"))
 
-    def _chosen(self, model):
+    def chosen_layers(self, model) -> list:
+        """The layers of `model` this callback rematerialises: those named in `layers`,
+        else every leaf layer with weights but the output layers.
+
+        Raises:
+            ValueError: `layers` names a layer `model` does not have.
+        """
         layers = [layer for layer in keras_compat.flatten_layers(model, include_self=False)
                   if not isinstance(layer, keras.layers.InputLayer)]
         if self.layers is not None:
@@ -76,8 +89,7 @@ class Rematerialize(EngineCallback):
                 raise ValueError(f"Rematerialize: the model has no layer named "
                                  f"{', '.join(missing)}.")
             return [by_name[n] for n in self.layers]
-        outputs = {id(getattr(t, "_keras_history", (None,))[0])
-                   for t in keras.tree.flatten(getattr(model, "outputs", None) or [])}
+        outputs = output_layers(model)
         # Leaf layers with weights (a Dense, an attention block), not containers.
         return [layer for layer in layers if layer.weights
                 and not keras_compat.flatten_layers(layer, include_self=False)
@@ -87,7 +99,7 @@ class Rematerialize(EngineCallback):
         self.uninstall(model)
         if self.mode == "layers":
             backends.current("Rematerialize").remat.check_layer_remat()
-        for layer in self._chosen(model):
+        for layer in self.chosen_layers(model):
             if self.mode == "activations":
                 activation = getattr(layer, "activation", None)
                 if activation is None or activation is keras.activations.linear:

@@ -56,7 +56,7 @@ def test_singles_then_the_holders_covering_most_least_recompute_first():
 
 def test_a_candidate_naming_what_rematerialize_all_would_is_dropped():
     model = mlp()
-    everything = [layer.name for layer in Rematerialize()._chosen(model)]
+    everything = [layer.name for layer in Rematerialize().chosen_layers(model)]
     assert sorted(everything) == ["big", "mid", "small"]
     # big and mid hold 60% (< COVER): all three together, which is what everything is.
     got = targeted(table({"big": 30, "mid": 30, "small": 30, "head": 10}), model, everything)

@@ -16,10 +16,12 @@ import numpy as np
 from keras_tpu_mem._compat import keras as keras_compat
 
 OPTIMIZER, INPUTS, UNATTRIBUTED = "optimizer", "inputs", "unattributed"
+#: The rows of a table that are not layers.
+NOT_LAYERS = (OPTIMIZER, INPUTS, UNATTRIBUTED)
 _WEIGHTS, _OPTIMIZER = 0, 1
 
 
-def _layer_paths(model) -> dict:
+def layer_paths(model) -> dict:
     """`{id(layer): (layer, path)}`, nested layers by their path inside the model; a
     layer reached twice (shared) keeps its first path."""
     paths = {}
@@ -72,7 +74,7 @@ def rows_at_rest(model, device_shape):
     at rest filled in (bytes per device, `device_shape` the backend's), the row of each
     variable `{id(variable): row}` (metric state: "unattributed"), and the layer paths
     by layer name `{name: [path, ...]}`."""
-    paths = _layer_paths(model)
+    paths = layer_paths(model)
     owner = _owners(model, paths)
     slots = _slot_rows(model, owner)
     rows = {path: [0, 0, 0, 0] for _, path in paths.values()}

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import collections
 
-import keras
-
 from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem.backends.layer_owners import NOT_LAYERS, layer_paths
+from keras_tpu_mem.remat import Rematerialize, output_layers
 
 #: How many of the largest holders are tried alone. Two, because the largest is not always
 #: the one whose recompute lowers the peak (where the peak lies in that layer's own backward
@@ -34,8 +34,6 @@ from keras_tpu_mem._compat import keras as keras_compat
 SINGLES = 2
 #: Then the largest holders together, as many as hold this share of the saved activations.
 COVER = 2 / 3
-# Rows of the table that are not layers.
-_NOT_LAYERS = ("optimizer", "inputs", "unattributed")
 
 Target = collections.namedtuple("Target", ["layers", "share"])
 Target.__doc__ = """One rematerialisation option of the search.
@@ -48,29 +46,6 @@ Attributes:
 
 #: `Rematerialize()`: every layer with weights but the outputs.
 EVERYTHING = Target(None, 1.0)
-
-
-def _paths(model) -> dict:
-    """`{path: layer}` for every nested layer, by its path inside the model (as the rows of
-    `by_layer()` name them; a shared layer by its first path)."""
-    seen, paths = set(), {}
-
-    def walk(layer, prefix):
-        for sub in keras_compat.flatten_layers(layer, include_self=False, recursive=False):
-            if id(sub) in seen or isinstance(sub, keras.layers.InputLayer):
-                continue
-            seen.add(id(sub))
-            path = f"{prefix}/{sub.name}" if prefix else sub.name
-            paths[path] = sub
-            walk(sub, path)
-
-    walk(model, "")
-    return paths
-
-
-def _output_layers(model) -> set:
-    return {id(getattr(t, "_keras_history", (None,))[0])
-            for t in keras.tree.flatten(getattr(model, "outputs", None) or [])}
 
 
 def _within(path: str, chosen) -> bool:
@@ -102,11 +77,12 @@ def targeted(table, model, everything=None) -> list:
     targeted(table, model)   # [Target(layers=('dense',), share=0.28), ...]
     ```
     """
-    paths = _paths(model)
+    # `{path: layer}`, as the rows of `by_layer()` name them (a shared layer by its first path).
+    paths = {path: layer for layer, path in layer_paths(model).values()}
     counts = collections.Counter(
         layer.name for layer in keras_compat.flatten_layers(model, include_self=False))
-    outputs = _output_layers(model)
-    layer_rows = [r for r in table if r.name not in _NOT_LAYERS]
+    outputs = output_layers(model)
+    layer_rows = [r for r in table if r.name not in NOT_LAYERS]
     total = sum(r.saved_activations for r in layer_rows)
     if total <= 0:
         return []
@@ -192,8 +168,6 @@ class RematLever:
         return True
 
     def _read(self, step) -> list:
-        from keras_tpu_mem.remat import Rematerialize
-
         try:
             table = step.reference.by_layer()
         except (RuntimeError, ValueError, OSError) as err:
@@ -201,7 +175,7 @@ class RematLever:
             self.notes.append(f"rematerialising only the largest activation holders was not "
                               f"tried: the step's memory by layer could not be read ({err}).")
             return []
-        everything = [layer.name for layer in Rematerialize()._chosen(self.model)]
+        everything = [layer.name for layer in Rematerialize().chosen_layers(self.model)]
         return targeted(table, self.model, everything)
 
 
