@@ -249,6 +249,7 @@ def test_micro_batches_equal_full_batch(case, spe):
     assert {batch for batch, _ in seen} == {PULLED[(case, spe)]}, seen
 
 
+@pytest.mark.slow
 def test_micro_batches_run_eagerly_match_full_batch():
     """run_eagerly: the same two steps, unjitted (shard_map runs eagerly too)."""
     data = toy_data(UPDATES * GLOBAL_BATCH)

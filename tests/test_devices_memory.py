@@ -57,6 +57,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_onednn_off_falls_back_to_host_rss_in_a_subprocess():
     """TF_ENABLE_ONEDNN_OPTS=0 (the default on AMD/AVX2): no allocator statistics."""
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")

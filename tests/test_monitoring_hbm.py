@@ -74,6 +74,7 @@ def test_small_capacity_warns_exactly_once(digits, ktm_records):
     assert 0 < roomy.history["hbm_utilization"][0] < 0.01
 
 
+@pytest.mark.slow
 def test_host_rss_fallback_when_the_allocator_keeps_no_statistics(tmp_path):
     """TF_ENABLE_ONEDNN_OPTS=0 (AMD/AVX2's default): memory from the process's RSS, named so.
 

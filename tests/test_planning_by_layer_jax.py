@@ -133,6 +133,7 @@ def test_encoder_rows_per_device(devices):
     assert table[up].saved_activations >= 64 * 64 * 512 * 4 // devices
 
 
+@pytest.mark.slow
 def test_attribution_agrees_with_rematerialising_the_feed_forward_layer():
     """A change the attribution did not make: recomputing the feed-forward Dense(512, gelu)
     in the backward pass frees what the table says it saved."""

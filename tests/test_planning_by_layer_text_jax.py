@@ -4,10 +4,12 @@ the cases are shared with the TensorFlow twin (by_layer_views_cases.py)."""
 from __future__ import annotations
 
 import by_layer_views_cases as cases
+import pytest
 
 from keras_tpu_mem.planning import plan
 
 
+@pytest.mark.slow
 def test_search_reports_the_recommendations_table(monkeypatch):
     cases.check_search_reports_the_recommendations_table(monkeypatch)
 

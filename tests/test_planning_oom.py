@@ -39,6 +39,7 @@ def _oom_mlp():
     return model
 
 
+@pytest.mark.slow
 def test_out_of_memory_is_explained_with_the_compiled_breakdown():
     from keras_tpu_mem.devices import format_bytes
     from keras_tpu_mem.planning import StepOutOfMemoryError, set_oom_device

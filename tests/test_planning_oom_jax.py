@@ -30,6 +30,7 @@ class InjectedOOM(EngineCallback):
         return loss
 
 
+@pytest.mark.slow
 def test_out_of_memory_is_explained_with_the_compiled_breakdown():
     model = wide_mlp(width=256, depth=4, inputs=256)
     plain = compiled_memory(model, 2048, hlo_text=False)

@@ -27,6 +27,7 @@ def mlp():
 
 @pytest.mark.parametrize("build", ["mlp", small_convnet, small_transformer],
                          ids=["mlp", "convnet", "transformer"])
+@pytest.mark.slow
 def test_plan_extrapolates_activations_within_5_percent(build, request):
     model = request.getfixturevalue("mlp") if build == "mlp" else build()
     result = plan(model, 2048, device="v3-8")  # 8 replicas x 256

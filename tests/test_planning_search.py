@@ -23,6 +23,7 @@ def small_encoder():
     return encoder()
 
 
+@pytest.mark.slow
 def test_plan_with_callbacks_is_the_compiled_step(big_mlp):
     callbacks = [ktm.GradientAccumulation(8)]
     planned = plan(big_mlp, 8192, device="16GiB", callbacks=callbacks)
@@ -36,6 +37,7 @@ def test_plan_with_callbacks_is_the_compiled_step(big_mlp):
     assert "engine's step for GradientAccumulation" in str(planned)
 
 
+@pytest.mark.slow
 def test_plan_extrapolates_beyond_the_compile_cap(big_mlp):
     # Independent reference: the direct compile at 8192.
     callbacks = [ktm.GradientAccumulation(8)]
@@ -49,6 +51,7 @@ def test_plan_extrapolates_beyond_the_compile_cap(big_mlp):
     (lambda: [ktm.MixedBFloat16()], 256),
     (lambda: [ktm.GradientAccumulation(4), ktm.MixedBFloat16()], 256),
 ], ids=["bf16", "accumulation+bf16"])
+@pytest.mark.slow
 def test_plan_with_callbacks_matches_compile_for_the_encoder(small_encoder, callbacks, batch):
     planned = plan(small_encoder, batch, device="16GiB", callbacks=callbacks())
     compiled = compiled_memory(small_encoder, batch, callbacks=callbacks(), hlo_text=False)
@@ -62,6 +65,7 @@ def test_plan_with_callbacks_refuses_the_paper_arguments(big_mlp):
         plan(big_mlp, 64, device="16GiB", search="yes")
 
 
+@pytest.mark.slow
 def test_search_recommends_callbacks_that_fit_the_budget(small_encoder):
     plain = compiled_memory(small_encoder, 512, hlo_text=False)
     budget = int(0.45 * plain.total_bytes)

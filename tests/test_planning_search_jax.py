@@ -41,6 +41,7 @@ def test_plan_with_callbacks_matches_the_compile(cap):
     (lambda: [ktm.GradientAccumulation(4), ktm.MixedBFloat16()], 8192),
     (lambda: [ktm.MixedBFloat16()], 128),
 ], ids=["bf16", "accumulation+bf16", "bf16-extrapolated"])
+@pytest.mark.slow
 def test_plan_with_callbacks_matches_compile_for_the_encoder(small_encoder, callbacks, cap):
     planned = plan(small_encoder, 256, device="16GiB", callbacks=callbacks(),
                    max_compile_batch=cap)
@@ -54,6 +55,7 @@ def test_plan_with_callbacks_matches_compile_for_the_encoder(small_encoder, call
         (str(planned), compiled)
 
 
+@pytest.mark.slow
 def test_search_recommends_callbacks_that_fit_the_budget(small_encoder):
     plain = compiled_memory(small_encoder, 512, hlo_text=False)
     budget = int(0.45 * plain.total_bytes)
@@ -70,6 +72,7 @@ def test_search_recommends_callbacks_that_fit_the_budget(small_encoder):
     assert found.candidates[-1] == rec
 
 
+@pytest.mark.slow
 def test_data_parallel_plan_matches_compile_per_device():
     distribution = keras.distribution.DataParallel(devices=jax.devices()[:8])
     callbacks = lambda: [ktm.GradientAccumulation(4), ktm.MixedBFloat16()]  # noqa: E731
@@ -87,6 +90,7 @@ def test_data_parallel_plan_matches_compile_per_device():
         (str(planned), compiled)
 
 
+@pytest.mark.slow
 def test_plan_with_callbacks_alone_does_not_claim_a_search(small_encoder):
     plain = compiled_memory(small_encoder, 256, hlo_text=False)
     tight = DeviceBudget("tight", int(0.5 * plain.total_bytes), 1, "test")

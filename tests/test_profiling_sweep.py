@@ -122,6 +122,7 @@ print("TABLE " + json.dumps(result.table()))
 """
 
 
+@pytest.mark.slow
 def test_sweep_falls_back_to_host_rss_with_onednn_off():
     """TF_ENABLE_ONEDNN_OPTS=0 (AMD/AVX2's default): the peaks are the process's RSS."""
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")

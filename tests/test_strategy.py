@@ -16,6 +16,7 @@ def wrapper():
     return ktm.TPUStrategyWrapper(logical_cpus=2)
 
 
+@pytest.mark.slow
 def test_fresh_process_prints_cpu_2():
     code = (
         "import keras_tpu_mem as ktm; w = ktm.TPUStrategyWrapper(logical_cpus=2); "
@@ -144,6 +145,7 @@ print("DESCRIBE " + json.dumps(w.describe()))
 """
 
 
+@pytest.mark.slow
 def test_memory_info_falls_back_to_host_rss_with_onednn_off():
     """TF_ENABLE_ONEDNN_OPTS=0 (AMD/AVX2's default): readings say they are host RSS."""
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="3")
