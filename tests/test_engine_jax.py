@@ -267,7 +267,9 @@ def _features(name):
 @pytest.mark.parametrize("case", ["none", "dp8"])
 @pytest.mark.parametrize("features", ["pruning", "accumulation", "bf16", "distillation"])
 def test_a_second_fit_compiles_the_step_no_second_time(case, features):
-    """The step compiles once for all fits of the same shapes, as Keras' own does.
+    """The step compiles once for all fits of the same shapes, as Keras' own does
+    (with pruning: two steps, the one that may recompute the masks and the quiet one,
+    `Feature.quiet_update`, each once).
 
     (A pruning mask placed on a device, committed, while Keras' state is not
     made every output of the step committed, and the next fit compiled the
@@ -281,7 +283,7 @@ def test_a_second_fit_compiles_the_step_no_second_time(case, features):
         with compiled_function_names() as names:
             for _ in range(3):
                 model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks)
-    assert names.count("_step") == 1, names
+    assert names.count("_step") == (2 if features == "pruning" else 1), names
 
 
 class ReadsModelWhileTraced(EngineCallback):

@@ -1,15 +1,19 @@
 """The features' variables carried between jitted calls on JAX
 (`keras_tpu_mem/backends/jax/feature_state.py`): a callback's write between
 calls reaches the next step, and the variables hold the step's values where
-something reads them (a callback's `model`, the end of an epoch and of `fit`)."""
+something reads them (a callback's `model`, the end of an epoch and of `fit`);
+the quiet step (`Feature.quiet_update`) and the host's count of the updates."""
 
 from __future__ import annotations
 
 import keras
 import numpy as np
 import pytest
+from helpers_jax import make_distribution, scope
 
 from keras_tpu_mem import PolynomialDecay, Pruning
+from keras_tpu_mem.backends.jax.feature_state import quiet_steps_possible
+from keras_tpu_mem.engine import Engine, EngineCallback
 from keras_tpu_mem.pruning.schedules import ConstantSparsity
 
 BATCH, STEPS = 16, 12
@@ -107,3 +111,127 @@ def test_after_fit_the_variables_hold_the_steps_final_values(spe):
                   callbacks=[ref_pruning])
     for w, r in zip(pruning._weights, ref_pruning._weights):
         np.testing.assert_array_equal(np.asarray(w.mask.value), np.asarray(r.mask.value))
+
+
+# ---------------------------------------------------- quiet steps (`Feature.quiet_update`)
+class _CountedPruning(Pruning):
+    """Pruning that records the update numbers the engine asks `quiet_update` about."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.updates = []
+
+    def quiet_update(self, update):
+        self.updates.append(update)
+        return super().quiet_update(update)
+
+
+class _NeverQuiet(Pruning):
+    """Every update runs the step that may recompute the masks (the step before quiet
+    steps existed)."""
+
+    def quiet_update(self, update):
+        return False
+
+
+def _schedule():
+    return PolynomialDecay(0.0, 0.75, begin_step=2, end_step=2 * STEPS, frequency=3)
+
+
+@pytest.mark.parametrize("case", ["none", "dp8"])
+@pytest.mark.parametrize("spe", [1, 4])
+def test_quiet_steps_train_as_the_step_that_always_branches(spe, case):
+    """Updates that are not a turn of the schedule run the quiet step (the masks go in
+    and come not out, no branch); the weights and masks equal those of a fit whose every
+    update runs the full step, and the host counted every update."""
+    x, y = _data()
+    results = []
+    for pruning in (_CountedPruning(_schedule()), _NeverQuiet(_schedule())):
+        with scope(make_distribution(case)):
+            model = _model(spe)
+            model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
+                      callbacks=[pruning])
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
+                      callbacks=[pruning])
+        results.append((model, pruning))
+    (quiet, counted), (branching, never) = results
+    assert counted.updates == list(range(1, 3 * STEPS + 1))
+    for a, b in zip(quiet.get_weights(), branching.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(counted._weights, never._weights):
+        np.testing.assert_array_equal(np.asarray(a.mask.value), np.asarray(b.mask.value))
+    kernel = np.asarray(quiet.layers[0].kernel.value)
+    assert np.mean(kernel == 0) == pytest.approx(0.75, abs=0.01)
+
+
+class _SetsIterations(keras.callbacks.Callback):
+    """Writes `optimizer.iterations` between two calls, as a restore would."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 4:
+            self.model.optimizer.iterations.assign(100)
+
+
+def test_the_host_count_follows_iterations_written_between_calls():
+    x, y = _data()
+    model = _model(1)
+    pruning = _CountedPruning(_schedule())
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
+              callbacks=[pruning, _SetsIterations()])
+    assert pruning.updates == [1, 2, 3, 4] + list(range(101, 101 + STEPS - 4))
+    assert int(model.optimizer.iterations.value) == 100 + STEPS - 4
+
+
+class _WritesWhenQuiet(EngineCallback):
+    """Says every update is quiet, then writes its step variable anyway."""
+
+    name = "writes_when_quiet"
+    order = 90
+
+    def __init__(self):
+        super().__init__()
+        self.count = keras.Variable(0.0, trainable=False, name="count")
+
+    def step_variables(self):
+        return [self.count]
+
+    def quiet_update(self, update):
+        return True
+
+    def after_update(self, ctx):
+        self.count.assign(self.count.value + 1.0)
+
+
+def test_a_quiet_update_that_writes_its_variable_is_an_error():
+    x, y = _data()
+    with pytest.raises(ValueError, match="quiet_update"):
+        _model(1).fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                      callbacks=[_WritesWhenQuiet()])
+
+
+def test_no_quiet_step_where_iterations_may_not_advance_every_step():
+    """A LossScaleOptimizer skips the updates with non-finite gradients (its iterations
+    stand still), so the host could not count them: every update runs the full step."""
+    model = _model(1)
+    pruning = Pruning(_schedule())
+    model.fit(*_data(), batch_size=BATCH, epochs=1, verbose=0, callbacks=[pruning])
+    assert quiet_steps_possible(model, [pruning], Engine.has_hook)
+    scaled = _model(1)
+    scaled.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
+                   loss="sparse_categorical_crossentropy")
+    assert not quiet_steps_possible(scaled, [pruning], Engine.has_hook)
+    # A feature with step variables that does not tell its quiet updates: none is quiet.
+    assert not quiet_steps_possible(model, [pruning, _CarriesOnly()], Engine.has_hook)
+
+
+class _CarriesOnly(EngineCallback):
+    """Owns a step variable and does not fill `quiet_update`."""
+
+    name = "carries_only"
+
+    def __init__(self):
+        super().__init__()
+        self.count = keras.Variable(0.0, trainable=False, name="count")
+
+    def step_variables(self):
+        return [self.count]

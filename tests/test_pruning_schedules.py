@@ -18,6 +18,7 @@ import tensorflow as tf
 from test_pruning_callback import _expected_zeros, _poly
 
 from keras_tpu_mem.pruning import ConstantSparsity, PolynomialDecay
+from keras_tpu_mem.pruning.schedules import PruningSchedule, pruning_turn
 
 # ------------------------------------------------------- tfmot (subprocess)
 
@@ -183,3 +184,24 @@ def test_schedule_serialises():
     poly = PolynomialDecay(0.0, 0.8, begin_step=0, end_step=1000, power=2, frequency=10)
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(poly))
     assert restored == poly and restored is not poly
+
+
+@pytest.mark.parametrize("schedule", [
+    ConstantSparsity(0.5, begin_step=0, frequency=1),
+    ConstantSparsity(0.5, begin_step=3, end_step=20, frequency=4),
+    PolynomialDecay(0.0, 0.8, begin_step=0, end_step=30, frequency=7),
+    PolynomialDecay(0.2, 0.8, begin_step=5, end_step=26, frequency=3),
+], ids=repr)
+def test_pruning_turn_is_the_schedules_should_prune(schedule):
+    """The host's `pruning_turn` (what the JAX engine's quiet step is chosen by) agrees
+    with the schedule's own `should_prune` at every step."""
+    for step in range(0, 45):
+        assert pruning_turn(schedule, step) is bool(schedule(step)[0]), step
+
+
+def test_pruning_turn_of_a_schedule_it_does_not_know_is_none():
+    class EveryOtherStep(PruningSchedule):
+        def __call__(self, step):
+            return keras.ops.equal(keras.ops.mod(step, 2), 0), 0.5
+
+    assert pruning_turn(EveryOtherStep(), 4) is None

@@ -24,6 +24,9 @@ class StepContext:
         extras: Dict of extra per-example tensors from `split_extras`.
         num_micro_batches: How many micro-batches make this update (1 without
             accumulation).
+        quiet: True in a step compiled for the updates that every feature with step
+            variables said leave them as they are (`Feature.quiet_update`): its
+            `after_update` must then not assign them (the JAX engine checks).
 
     Example (a feature's loss term reads the batch):
 
@@ -34,7 +37,7 @@ class StepContext:
     """
 
     def __init__(self, model, x=None, y=None, sample_weight=None, y_pred=None,
-                 extras=None, num_micro_batches=1):
+                 extras=None, num_micro_batches=1, quiet=False):
         self.model = model
         self.x = x
         self.y = y
@@ -42,6 +45,7 @@ class StepContext:
         self.y_pred = y_pred
         self.extras = extras or {}
         self.num_micro_batches = num_micro_batches
+        self.quiet = quiet
 
 
 def check_pulled_micro_batches(model, k: int) -> None:

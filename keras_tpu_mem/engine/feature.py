@@ -137,6 +137,14 @@ class Feature:
         """Keras variables (outside the model) the step only reads."""
         return []
 
+    def quiet_update(self, update: int) -> bool:
+        """Whether the update that brings `optimizer.iterations` to `update` leaves this
+        feature's `step_variables` as they are. When every feature with step variables
+        says so, the JAX engine runs a second compiled step for it (`ctx.quiet` True)
+        that takes them and returns none: no copy of them, and no branch. Default
+        False: any update may change them."""
+        return False
+
     def explain_error(self, error: Exception) -> Exception | None:
         """A clearer exception for an error of the step, or None."""
         return None

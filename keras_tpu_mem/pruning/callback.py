@@ -1,12 +1,10 @@
 """`Pruning`: magnitude pruning during `fit`, inside the compiled step.
 
 tfmot's `prune_low_magnitude` wraps every layer, needs a recompile and refuses
-Keras 3 models. Here pruning is an ordinary `fit` callback that plugs into the
-engine (`keras_tpu_mem.engine`): the user's model keeps its own layers, and the
-masks are applied *inside* the compiled step, right after each optimizer
-update, on every replica. The callback is written once, in `keras.ops` and
-Keras variables; the little that differs between TensorFlow and JAX is
-`backends.current().pruning` (`keras_tpu_mem/backends/<name>/pruning.py`).
+Keras 3 models. Here pruning is a `fit` callback that plugs into the engine: the
+model keeps its own layers, and the masks are applied *inside* the compiled step
+after each optimizer update, on every replica. Written once, in `keras.ops` and
+Keras variables; what differs between backends is `backends.current().pruning`.
 
 How it works, per pruned weight `w` (a layer kernel):
 
@@ -21,11 +19,11 @@ How it works, per pruned weight `w` (a layer kernel):
   is evaluated at `step = optimizer.iterations` (updates made so far); when it
   says so, the masks are recomputed from the magnitudes of the freshly updated
   weights (`pruning.update_masks`: inside a `tf.cond` on TensorFlow, as a
-  `keras.ops.cond`'s outputs on JAX), then `w <- where(mask, w, 0)` (a float
-  mask: `multiply_no_nan(w, mask)`, also exact +0.0 over inf/NaN) is written
-  with `pruning.assign_in_step` (on TensorFlow to every replica's copy, the way
-  Keras' optimizers write mirrored variables). Every replica computes the same
-  mask from the same weights, so no mask is ever communicated;
+  `keras.ops.cond`'s outputs on JAX; JAX runs the updates that are not a turn of
+  our schedules in a second step without it, `quiet_update`), then
+  `w <- where(mask, w, 0)` (a float mask: `multiply_no_nan(w, mask)`, exact +0.0
+  over inf/NaN) is written with `pruning.assign_in_step` (on TensorFlow to every
+  replica's copy). Every replica computes the same mask: none is communicated;
 * the threshold (the k-th largest magnitude) is found by bisection on the
   float bit patterns (31 counting passes, `pruning/masks.py`) instead of
   tfmot's full `top_k` sort: the same mask, but no O(n log n) sort and no
@@ -66,6 +64,7 @@ from keras_tpu_mem.pruning.schedules import (
     PolynomialDecay,
     check_schedule,
     never_pruned_message,
+    pruning_turn,
     schedule_config,
     schedule_from_config,
 )
@@ -365,6 +364,11 @@ class Pruning(EngineCallback):
             self._write_summaries()
 
     # ------------------------------------------------------------ the step
+    def quiet_update(self, update: int) -> bool:
+        """Whether update `update` (`optimizer.iterations` after it) keeps the masks:
+        not one of our schedule's turns (a foreign schedule's are not known: False)."""
+        return pruning_turn(self.schedule, update) is False
+
     def _should_prune(self, step):
         """`(should_prune, sparsity_fn)` for the step's `after_update`.
 
@@ -403,13 +407,16 @@ class Pruning(EngineCallback):
             should = backends.current().pruning.check_sparsity(should, valid, sparsity, step)
         return should, sparsity
 
-    def _new_mask(self, w, sparsity):
-        value = ops.convert_to_tensor(w.variable.value)
-        if self.m_by_n:
-            return m_by_n_mask(value, self.m_by_n, w.axis)
-        if self.block_size != (1, 1):
-            return block_mask(value, sparsity, self.block_size, self.block_pooling_type)[0]
-        return magnitude_mask(ops.abs(value), sparsity)[0]
+    def _new_masks(self, sparsity) -> list:
+        def mask(w):
+            value = ops.convert_to_tensor(w.variable.value)
+            if self.m_by_n:
+                return m_by_n_mask(value, self.m_by_n, w.axis)
+            if self.block_size != (1, 1):
+                return block_mask(value, sparsity, self.block_size, self.block_pooling_type)[0]
+            return magnitude_mask(ops.abs(value), sparsity)[0]
+
+        return [mask(w) for w in self._weights]
 
     def after_update(self, ctx):
         """Inside the step, after the optimizer update: recompute the masks when the
@@ -424,15 +431,12 @@ class Pruning(EngineCallback):
             self._deferred = False
             self._weights = []
             pruning.eagerly(lambda: self._setup(ctx.model))  # the masks, outside the trace
-        step = pruning.step_count(ctx.model.optimizer)  # updates made, this one included
-        should, sparsity_fn = self._should_prune(step)
         weights = self._weights
-
-        def new_masks():
-            sparsity = sparsity_fn()
-            return [self._new_mask(w, sparsity) for w in weights]
-
-        pruning.update_masks(should, new_masks, [w.mask for w in weights])
+        if not ctx.quiet:  # a quiet update (`quiet_update`) keeps the masks as they are
+            step = pruning.step_count(ctx.model.optimizer)  # updates made, this one included
+            should, sparsity_fn = self._should_prune(step)
+            pruning.update_masks(should, lambda: self._new_masks(sparsity_fn()),
+                                 [w.mask for w in weights])
         for w in weights:
             value = ops.convert_to_tensor(w.variable.value)
             pruning.assign_in_step(w.variable, apply_mask(value, w.mask.value))
@@ -441,14 +445,11 @@ class Pruning(EngineCallback):
     def _pruning_started(self, step: int) -> bool:
         """Whether the schedule recomputed masks at some step in [1, step].
 
-        Walks the steps from 1 and stops at the first that pruned. Our own
-        schedules prune only on their turns, `begin_step + j * frequency` up to
-        `end_step`, and if any turn prunes with a positive sparsity, the first or
-        the second does (ConstantSparsity: all alike; PolynomialDecay: zero at
-        the first turn only when initial_sparsity is 0, and then positive at
-        every later turn unless final_sparsity is 0 too). So there at most two
-        steps are evaluated, however late a run resumes.
-        """
+        Walks the steps from 1 and stops at the first that pruned. Our schedules
+        prune only on their turns (`pruning_turn`); if any turn prunes with a positive
+        sparsity, the first or the second does (ConstantSparsity: all alike;
+        PolynomialDecay: zero at the first only when initial_sparsity is 0, then positive
+        unless final_sparsity is 0 too): at most two steps are evaluated."""
         if step < 1:
             return False
         first, stride = 1, 1

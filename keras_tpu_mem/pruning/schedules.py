@@ -340,6 +340,24 @@ def never_pruned_message(schedule, updates: int, step: int, started) -> str:
             "begin_step + j * frequency: lower `begin_step` or `frequency`, or fit longer.")
 
 
+def pruning_turn(schedule, step: int) -> bool | None:
+    """Whether `step` is one of `schedule`'s turns, `begin_step + j * frequency` up to
+    `end_step` (on the host, no tensor); None where the turns are not known (a
+    `PruningSchedule` subclass or tfmot's schedule decides in its `__call__`).
+
+    Example:
+
+    ```python
+    pruning_turn(PolynomialDecay(0.0, 0.8, begin_step=0, end_step=1000, frequency=100), 300)  # True
+    ```
+    """
+    if type(schedule) not in (ConstantSparsity, PolynomialDecay):
+        return None
+    begin, end = schedule.begin_step, schedule.end_step
+    return (begin <= step and (end < 0 or step <= end)
+            and (step - begin) % schedule.frequency == 0)
+
+
 def _is_tfmot(schedule) -> bool:
     """Whether `schedule` comes from tensorflow_model_optimization (never imported here)."""
     return type(schedule).__module__.split(".")[0] == "tensorflow_model_optimization"
@@ -375,6 +393,7 @@ __all__ = [
     "PolynomialDecay",
     "PruningSchedule",
     "check_schedule",
+    "pruning_turn",
     "schedule_config",
     "schedule_from_config",
 ]

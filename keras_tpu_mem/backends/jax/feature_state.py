@@ -17,6 +17,9 @@ variables (a teacher's weights) are read once, then again only when written.
 
 from __future__ import annotations
 
+import keras
+import numpy as np
+
 from keras_tpu_mem._compat import jax as jax_compat
 
 
@@ -113,3 +116,89 @@ class _Sync:
         self.state.sync()
         model = self.state.model
         return getattr(type(model), self.name)(model)
+
+
+class UpdateCounter:
+    """`optimizer.iterations` on the host, update by update, without waiting for the device.
+
+    Read from a step's input state when that state is not the one the last step
+    returned (the first call; Keras re-read its state from the variables: a new
+    `fit`, a restore, a callback that wrote it), which waits for the device once;
+    then counted, one per update.
+
+    Args:
+        model: The model being fit; its optimizer's `iterations` is counted.
+    """
+
+    def __init__(self, model):
+        optimizer = model.optimizer
+        self._index = next(i for i, v in enumerate(optimizer.variables)
+                           if v is optimizer.iterations)
+        self._last = self._count = None  # the iterations array last seen; its value
+
+    def next_update(self, state) -> int:
+        """`optimizer.iterations` after the update the step is about to make of `state`."""
+        iterations = state[2][self._index]
+        if iterations is not self._last:
+            # A replicated value: its first local shard is the whole (also multi-host).
+            self._count = int(np.asarray(iterations.addressable_data(0)))
+            self._last = iterations
+        return self._count + 1
+
+    def advance(self, state, update: int) -> None:
+        """The step made update `update` and returned `state`."""
+        self._last, self._count = state[2][self._index], update
+
+
+def quiet_steps_possible(model, features, has_hook) -> bool:
+    """Whether a quiet step (`Feature.quiet_update`) can be chosen: every feature with
+    step variables fills `quiet_update` (`has_hook(feature, "quiet_update")`), and
+    `optimizer.iterations` advances by one a step (a `LossScaleOptimizer` skips the
+    updates with non-finite gradients)."""
+    carriers = [f for f in features if f.step_variables()]
+    return (bool(carriers) and all(has_hook(f, "quiet_update") for f in carriers)
+            and not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer))
+
+
+def carrying_step(model, features, carried, frozen, step, quiet_step=None):
+    """The train function's `(state, data) -> (logs, state)` around a step that takes
+    the features' carried and frozen values and returns the carried ones.
+
+    With `quiet_step` (the same step compiled with `quiet=True`, which returns no
+    carried values), each update that every feature with step variables calls quiet
+    (`Feature.quiet_update`) runs it instead.
+
+    Returns:
+        `(train_step, on_error)`: `on_error()` writes the carried values into their
+        variables (for an error of the step).
+    """
+    values = CarriedFeatureState(model, carried, frozen).attach()
+    carriers = [f for f in features if f.step_variables()]
+    counter = UpdateCounter(model) if quiet_step is not None else None
+
+    def train_step(state, data):
+        inputs = values.inputs()
+        if counter is None:
+            logs, state, outputs = step(state, data, inputs)
+            values.carry(outputs)
+            return logs, state
+        update = counter.next_update(state)
+        if all(f.quiet_update(update) for f in carriers):
+            logs, state = quiet_step(state, data, inputs)
+        else:
+            logs, state, outputs = step(state, data, inputs)
+            values.carry(outputs)
+        counter.advance(state, update)
+        return logs, state
+
+    return train_step, values.sync
+
+
+def check_quiet(features, given, returned) -> None:
+    """A quiet step's features left their carried values as given (`Feature.quiet_update`)."""
+    if any(new is not old for old, new in zip(given, returned)):
+        names = ", ".join(type(f).__name__ for f in features if f.step_variables())
+        raise ValueError(
+            f"A feature among {names} assigned a step variable in an update its "
+            "quiet_update(update) called quiet; return False there, or assign nothing "
+            "when ctx.quiet is True.")

@@ -59,7 +59,11 @@ import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem.backends.jax.feature_state import CarriedFeatureState
+from keras_tpu_mem.backends.jax.feature_state import (
+    carrying_step,
+    check_quiet,
+    quiet_steps_possible,
+)
 from keras_tpu_mem.backends.jax.trainer_pulled import PulledMicroBatchSteps
 from keras_tpu_mem.backends.jax.trainer_sharded import (
     ShardMapGradients,
@@ -351,15 +355,15 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
             raise ValueError("keras_tpu_mem's engine found no batched array in the data.")
         return has_feature_state, feature_state, batch, size, self.num_replicas()
 
-    def _step(self, features, state, data, feature_state=None, layout=None):
+    def _step(self, features, state, data, feature_state=None, layout=None, quiet=False):
         """One update. `features` is the build's snapshot of the engine's features, so
         that a later trace of the same step (`jitted_step.lower`) builds the same step.
 
         With features that own variables (`step_variables`/`frozen_variables`) the step
-        is `(state, data, feature_state) -> (logs, state, carried values)`; called
-        without `feature_state`, the variables' current values are used (as constants).
-        `layout`: the state's `trainer_sharded.StateLayout` (None: replicated state).
-        """
+        is `(state, data, feature_state) -> (logs, state, carried values)` (`quiet`: no
+        carried values, see `Feature.quiet_update`); called without `feature_state`,
+        the variables' current values are used (as constants). `layout`: the state's
+        `trainer_sharded.StateLayout` (None: replicated state)."""
         model = self.model
         has_feature_state, feature_state, batch, global_batch, shards = self._step_inputs(
             features, data, feature_state)
@@ -404,11 +408,13 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
             trainable, optimizer_vars = model.optimizer.stateless_apply(
                 optimizer_vars, grads, trainable)
             logs = self._metrics_result(metrics_vars)
-        ctx = StepContext(model, x, y, sample_weight, None, extras, num_micro)
+        ctx = StepContext(model, x, y, sample_weight, None, extras, num_micro, quiet=quiet)
         trainable, non_trainable, carried = self._after_update(
             features, trainable, non_trainable, optimizer_vars, feature_state, ctx)
         new_state = (trainable, non_trainable, optimizer_vars, metrics_vars)
-        if has_feature_state:
+        if quiet:  # `make_step(quiet=True)`: the carried values stay as they came
+            check_quiet(features, feature_state[0], carried)
+        elif has_feature_state:
             return logs, new_state, carried
         return logs, new_state
 
@@ -430,7 +436,7 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
         return grads, list(new_non_trainable), metrics_vars, updated
 
     # -------------------------------------------------------- the train function
-    def make_step(self, jit: bool = True, state_shardings=None) -> Callable:
+    def make_step(self, jit: bool = True, state_shardings=None, quiet=False) -> Callable:
         """The step `(state, data) -> (logs, state)` for the engine's current features.
 
         Jitted as `fit` jits it (`donate_argnums=0`; under a `keras.distribution`
@@ -440,18 +446,17 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
         batch).compile()`. The step keeps a snapshot of the features and of the
         state's layout (read from `state_shardings`, else from the variables'
         values: state split over the batch axis gets the sharded step), so a
-        later trace builds the same step.
-        """
+        later trace builds the same step. `quiet`: the step for quiet updates."""
         layout = (model_state_layout(self.model) if state_shardings is None
                   else make_state_layout(self.model, state_shardings))
-        step = functools.partial(self._step, tuple(self.features), layout=layout)
+        step = functools.partial(self._step, tuple(self.features), layout=layout, quiet=quiet)
         if not jit:
             return step
         out_shardings = None
         if keras.distribution.distribution() is not None:
             out_shardings = (None, jax_compat.state_sharding_spec(self.model))
             carried, frozen = self._feature_variables(self.features)
-            if carried or frozen:
+            if (carried or frozen) and not quiet:
                 # Carried feature values (pruning masks) keep the shardings they were
                 # given (a mask: its kernel's), step after step.
                 out_shardings += ([v.value.sharding for v in carried],)
@@ -476,13 +481,9 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
         if carried or frozen:
             # The features' values are carried from call to call beside Keras'
             # state, and written into their variables when Keras syncs its own.
-            plain, features = step, CarriedFeatureState(model, carried, frozen).attach()
-            on_error = features.sync
-
-            def step(state, data):
-                logs, state, values = plain(state, data, features.inputs())
-                features.carry(values)
-                return logs, state
+            quiet = (self.make_step(jit=jit, quiet=True) if quiet_steps_possible(
+                model, self.features, self.engine.has_hook) else None)
+            step, on_error = carrying_step(model, self.features, carried, frozen, step, quiet)
 
         train_function = _multi_step_train_function(model, engine, step, per_call,
                                                     on_error=on_error)
