@@ -479,12 +479,10 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
         carried, frozen = self._feature_variables(self.features)
         on_error = None
         if carried or frozen:
-            # The features' values are carried from call to call beside Keras'
-            # state, and written into their variables when Keras syncs its own.
+            # Carried from call to call beside Keras' state (and a quiet step, if any).
             quiet = (self.make_step(jit=jit, quiet=True) if quiet_steps_possible(
                 model, self.features, self.engine.has_hook) else None)
             step, on_error = carrying_step(model, self.features, carried, frozen, step, quiet)
-
         train_function = _multi_step_train_function(model, engine, step, per_call,
                                                     on_error=on_error)
         train_function.jitted_step = self.jitted_step
