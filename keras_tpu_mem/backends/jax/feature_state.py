@@ -178,17 +178,14 @@ def carrying_step(model, features, carried, frozen, step, quiet_step=None):
 
     def train_step(state, data):
         inputs = values.inputs()
-        if counter is None:
-            logs, state, outputs = step(state, data, inputs)
-            values.carry(outputs)
-            return logs, state
-        update = counter.next_update(state)
-        if all(f.quiet_update(update) for f in carriers):
+        update = None if counter is None else counter.next_update(state)
+        if update is not None and all(f.quiet_update(update) for f in carriers):
             logs, state = quiet_step(state, data, inputs)
         else:
             logs, state, outputs = step(state, data, inputs)
             values.carry(outputs)
-        counter.advance(state, update)
+        if counter is not None:
+            counter.advance(state, update)
         return logs, state
 
     return train_step, values.sync
