@@ -235,3 +235,95 @@ def test_distribution_layout_map():
     holder = Holder()
     assert keras_compat.distribution_layout_map(holder) is Holder._layout_map
     assert keras_compat.distribution_layout_map(object()) is None
+
+
+def _deferred_variable(name="deferred"):
+    """A variable Keras defers (no value), taken off Keras' list of variables to
+    initialise when a stateless scope exits (else another test's scope would)."""
+    with keras.StatelessScope(initialize_variables=False):
+        variable = keras.Variable(initializer="zeros", shape=(2,), name=name)
+    keras_compat.set_uninitialized_variables(
+        v for v in keras_compat.uninitialized_variables() if v is not variable)
+    return variable
+
+
+def test_deferred_variable_internals():
+    """in_stateless_scope, has_value, (set_)variable_initializer,
+    (set_)uninitialized_variables, initialize_variable_layout, initialize_deferred."""
+    assert keras_compat.in_stateless_scope() is False
+    with keras.StatelessScope(initialize_variables=False):
+        assert keras_compat.in_stateless_scope() is True
+        variable = keras.Variable(initializer="zeros", shape=(2,), name="deferred")
+    assert not keras_compat.has_value(variable)
+    assert any(v is variable for v in keras_compat.uninitialized_variables())
+    keras_compat.set_uninitialized_variables(
+        v for v in keras_compat.uninitialized_variables() if v is not variable)
+    assert not any(v is variable for v in keras_compat.uninitialized_variables())
+    ones = keras.initializers.Ones()
+    keras_compat.set_variable_initializer(variable, ones)
+    assert keras_compat.variable_initializer(variable) is ones
+    keras_compat.initialize_variable_layout(variable)  # TensorFlow: no layouts
+    assert keras_compat.variable_layout(variable) is None
+    keras_compat.initialize_deferred(variable)
+    assert keras_compat.has_value(variable) and variable.numpy().tolist() == [1.0, 1.0]
+    assert keras_compat.variable_initializer(variable) is None
+
+
+def test_set_initialized_value():
+    variable = _deferred_variable()
+    keras_compat.set_initialized_value(variable, tf.Variable([3.0, 4.0]))
+    assert variable.numpy().tolist() == [3.0, 4.0]
+    assert keras_compat.variable_initializer(variable) is None
+
+
+def test_intercept_variable_init_and_intercept_direct_assign():
+    from keras_tpu_mem import shapes
+
+    seen = []
+
+    def init_spy(init, variable, initializer, shape, dtype, *args, **kwargs):
+        seen.append(("init", kwargs.get("name")))
+        init(variable, initializer, shape, dtype, *args, **kwargs)
+
+    def assign_spy(own, variable, value):
+        seen.append(("assign", variable.name))
+        return own(variable, value)
+
+    try:
+        keras_compat.intercept_variable_init(init_spy)
+        keras_compat.intercept_direct_assign(assign_spy)
+        keras_compat.intercept_variable_init(init_spy)  # once: not wrapped twice
+        variable = keras.Variable(np.zeros(2, "float32"), name="spied")
+        variable.assign(np.ones(2, "float32"))
+    finally:
+        shapes._install()  # keras_tpu_mem.shapes' own interceptors back
+    assert seen == [("init", "spied"), ("assign", "spied")]
+    assert variable.numpy().tolist() == [1.0, 1.0]
+
+
+def test_intercept_slot_creation_intercept_variable_key_and_rekey_optimizer():
+    from keras_tpu_mem import shapes
+
+    calls = []
+
+    def slot_spy(own, base, optimizer, reference, name, initializer):
+        calls.append(name)
+        return own(optimizer, reference, name=name, initializer=initializer)
+
+    def key_spy(own, optimizer, variable):
+        calls.append("key")
+        return own(optimizer, variable)
+
+    model = mlp()
+    optimizer = keras.optimizers.Adam()
+    try:
+        keras_compat.intercept_slot_creation(slot_spy)
+        keras_compat.intercept_variable_key(key_spy)
+        optimizer.build(model.trainable_variables)
+    finally:
+        shapes._install()
+    assert {"momentum", "velocity", "key"} <= set(calls)
+    indices = dict(optimizer._trainable_variables_indices)
+    optimizer._trainable_variables_indices = {}
+    keras_compat.rekey_optimizer(optimizer)
+    assert optimizer._trainable_variables_indices == indices

@@ -217,3 +217,20 @@ def test_in_symbolic_build_sees_the_batch_fit_builds_from():
     model.compile(optimizer="sgd", loss="mse")
     model.fit(Data(), epochs=1, verbose=0, shuffle=False)
     assert calls[0] is True and calls[-2:] == [False, False]
+
+
+def test_initialize_variable_layout_and_set_initialized_value():
+    """The JAX side of `keras_compat.initialize_variable_layout` (the distribution's
+    layout for a deferred variable) and `set_initialized_value` (a laid out value)."""
+    with make_distribution("dp8").scope():
+        with keras.StatelessScope(initialize_variables=False):
+            variable = keras.Variable(initializer="zeros", shape=(8, 4), name="deferred")
+        keras_compat.set_uninitialized_variables(
+            v for v in keras_compat.uninitialized_variables() if v is not variable)
+        assert keras_compat.variable_layout(variable) is None
+        keras_compat.initialize_variable_layout(variable)
+    layout = keras_compat.variable_layout(variable)
+    assert layout is not None
+    value = jax.device_put(np.ones((8, 4), "float32"), getattr(layout, "backend_layout", layout))
+    keras_compat.set_initialized_value(variable, value)
+    assert variable.value is value and keras_compat.variable_initializer(variable) is None

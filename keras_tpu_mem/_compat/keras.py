@@ -218,3 +218,223 @@ def name_scope_callers() -> list:
 
     stack = global_state.get_global_attribute("name_scope_stack") or []
     return [getattr(scope, "caller", None) for scope in stack]
+
+
+# ------------------------------------------------------- deferred variables
+# A variable created in a `keras.StatelessScope` has no value: Keras keeps its
+# shape, dtype, layout and initializer and makes the value on first need
+# (`KerasVariable.__init__` and `_deferred_initialize`). `keras_tpu_mem.shapes`
+# builds whole models that way; these are the internals it reaches. Checked on
+# Keras 3.15.1 (what the tests run); an older Keras 3 source read has the same
+# names (its `JaxVariable.__init__` takes `layout=` and calls `KerasVariable.__init__`).
+# The `intercept_*` functions replace a Keras method by a wrapper, once: one
+# interceptor per method (installing another replaces the first, never stacks).
+
+def in_stateless_scope() -> bool:
+    """Whether a `keras.StatelessScope` is active (3.15.1:
+    `keras.src.backend.common.stateless_scope.in_stateless_scope`)."""
+    from keras.src.backend.common.stateless_scope import in_stateless_scope as active
+
+    return active()
+
+
+def has_value(variable) -> bool:
+    """Whether a variable holds a value (3.15.1: `KerasVariable._value`, None only
+    for a variable created in a stateless scope and not initialised since; on
+    TensorFlow it is the `tf.Variable`, on JAX the array)."""
+    return getattr(variable, "_value", None) is not None
+
+
+def variable_initializer(variable):
+    """The initializer a variable without a value will be made from, else None
+    (3.15.1: `KerasVariable._initializer`; reading `.value` calls it)."""
+    return getattr(variable, "_initializer", None)
+
+
+def set_variable_initializer(variable, initializer) -> None:
+    """Replaces the initializer of a variable without a value (3.15.1:
+    `KerasVariable._initializer`)."""
+    variable._initializer = initializer
+
+
+def uninitialized_variables() -> list:
+    """Keras' list of the variables that the next exit of an outermost
+    `StatelessScope(initialize_variables=True)` will initialise (3.15.1: the global
+    attribute "uninitialized_variables" of `keras.src.backend.common.global_state`,
+    appended to by `register_uninitialized_variable`, emptied by
+    `initialize_all_variables`)."""
+    from keras.src.backend.common import global_state
+
+    return list(global_state.get_global_attribute("uninitialized_variables") or [])
+
+
+def set_uninitialized_variables(variables) -> None:
+    """Sets that list (3.15.1: the same global attribute)."""
+    from keras.src.backend.common import global_state
+
+    global_state.set_global_attribute("uninitialized_variables", list(variables))
+
+
+def initialize_variable_layout(variable) -> None:
+    """Gives a variable without a layout the active distribution's, as Keras does when
+    it initialises one (JAX 3.15.1: `JaxVariable._initialize_layout`, which asks
+    `distribution.get_variable_layout(variable)`; the TensorFlow variable has no
+    layouts: nothing to do)."""
+    initialize_layout = getattr(variable, "_initialize_layout", None)
+    if initialize_layout is not None:
+        initialize_layout()
+
+
+def initialize_deferred(variable) -> None:
+    """Keras' own initialisation of a variable without a value, from its initializer
+    (3.15.1: `KerasVariable._deferred_initialize`; the TensorFlow variable makes its
+    `tf.Variable` in `tf.init_scope()`, the JAX one lays the value out as
+    `_initialize_with_initializer` does)."""
+    variable._deferred_initialize()
+
+
+def set_initialized_value(variable, value) -> None:
+    """Gives a variable without a value the already laid out `value` (3.15.1: JAX's
+    `JaxVariable._initialize_with_initializer` sets `_value` so for a variable it
+    initialises sharded; the initializer is then dropped, as
+    `_deferred_initialize` drops it)."""
+    variable._value = value
+    variable._initializer = None
+
+
+def _wrap_once(owner, attribute: str, key, make) -> None:
+    """Replaces `owner.<attribute>` (a function in the class's own dict) by
+    `make(original)`; a second call with the same `key` is a no-op, one with another
+    `key` replaces the first wrapper (never wraps a wrapper)."""
+    current = owner.__dict__[attribute]
+    if getattr(current, "_ktm_key", None) is key:
+        return
+    original = getattr(current, "_ktm_original", current)
+    wrapper = make(original)
+    wrapper._ktm_key = key
+    wrapper._ktm_original = original
+    setattr(owner, attribute, wrapper)
+
+
+def intercept_variable_init(interceptor) -> None:
+    """Routes every Keras variable's construction through
+    `interceptor(init, variable, initializer, shape, dtype, *args, **kwargs)`, where
+    `init` is Keras' own `__init__` (installed once per `interceptor`).
+
+    3.15.1: the backends' variable classes (TensorFlow's `Variable`, JAX's
+    `JaxVariable`) inherit `__init__` from `keras.src.backend.common.variables.Variable`
+    (`KerasVariable`); with NNX on, `JaxVariable.__init__` calls it.
+    """
+    import functools
+
+    from keras.src.backend.common.variables import Variable
+
+    def make(init):
+        @functools.wraps(init)
+        def __init__(self, initializer, shape=None, dtype=None, *args, **kwargs):
+            interceptor(init, self, initializer, shape, dtype, *args, **kwargs)
+
+        return __init__
+
+    _wrap_once(Variable, "__init__", interceptor, make)
+
+
+def intercept_slot_creation(interceptor) -> None:
+    """Routes `optimizer.add_variable_from_reference(reference, name, initializer)`
+    through `interceptor(own, base, optimizer, reference, name, initializer)`: `own` is
+    the optimizer class's method, `base` Keras' backend-neutral one (installed once
+    per `interceptor`).
+
+    3.15.1: every optimizer slot (momentum, velocity, accumulator) is made by
+    `BaseOptimizer.add_variable_from_reference` (`add_optimizer_variables` calls it);
+    the TensorFlow optimizer (`keras.src.backend.tensorflow.optimizer.TFOptimizer`)
+    overrides it to colocate the slot with `reference.value`, which reads the
+    reference's value.
+    """
+    import functools
+
+    import keras
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    owners = [BaseOptimizer]
+    if keras.backend.backend() == "tensorflow":
+        from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+        owners.append(TFOptimizer)
+    base = BaseOptimizer.__dict__["add_variable_from_reference"]
+    base = getattr(base, "_ktm_original", base)
+
+    def make(own):
+        @functools.wraps(own)
+        def add_variable_from_reference(self, reference_variable, name=None,
+                                        initializer="zeros"):
+            return interceptor(own, base, self, reference_variable, name, initializer)
+
+        return add_variable_from_reference
+
+    for owner in owners:
+        _wrap_once(owner, "add_variable_from_reference", interceptor, make)
+
+
+def intercept_variable_key(interceptor) -> None:
+    """Routes the TensorFlow optimizer's `_var_key(variable)` through
+    `interceptor(own, optimizer, variable)` (installed once per `interceptor`; nothing
+    to do on JAX).
+
+    3.15.1: optimizers index their slots by `_var_key(variable)`; Keras'
+    TensorFlow optimizer (`TFOptimizer._var_key`) reads `variable.value` for the
+    `tf.Variable`'s `_unique_id`, which a variable without a value does not have.
+    The JAX optimizer keys by `id(variable)`.
+    """
+    import functools
+
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    def make(own):
+        @functools.wraps(own)
+        def _var_key(self, variable):
+            return interceptor(own, self, variable)
+
+        return _var_key
+
+    _wrap_once(TFOptimizer, "_var_key", interceptor, make)
+
+
+def rekey_optimizer(optimizer) -> None:
+    """Recomputes a built optimizer's index of its weights (3.15.1:
+    `BaseOptimizer.build` maps `_var_key(weight)` to the weight's position in
+    `_trainable_variables`, in `_trainable_variables_indices`); needed on TensorFlow
+    after the weights' `tf.Variable`s are made, as keys depend on them."""
+    weights = getattr(optimizer, "_trainable_variables", None)
+    if weights is None or not getattr(optimizer, "built", False):
+        return
+    optimizer._trainable_variables_indices = {
+        optimizer._var_key(weight): index for index, weight in enumerate(weights)}
+
+
+def intercept_direct_assign(interceptor) -> None:
+    """Routes every write of a Keras variable's value outside a stateless scope through
+    `interceptor(own, variable, value)` (installed once per `interceptor`).
+
+    3.15.1: `Variable.assign` calls `_direct_assign(value)`, defined by the backend
+    variable class `keras.Variable` derives from (TensorFlow's `Variable` assigns to
+    the `tf.Variable` in `_value`, JAX's `JaxVariable` sets `_value` after laying the
+    value out); inside a stateless scope `assign` records the update instead.
+    """
+    import functools
+
+    import keras
+
+    def make(own):
+        @functools.wraps(own)
+        def _direct_assign(self, value):
+            return interceptor(own, self, value)
+
+        return _direct_assign
+
+    owner = next(c for c in keras.Variable.__mro__ if "_direct_assign" in c.__dict__)
+    _wrap_once(owner, "_direct_assign", interceptor, make)
