@@ -138,14 +138,18 @@ class _CompileProgress:
 def _plan(args: argparse.Namespace) -> int:
     from keras_tpu_mem.planning.model_factory import load_model_factory
     from keras_tpu_mem.planning.planner import plan
+    from keras_tpu_mem.shapes import shapes_only
 
     progress = _CompileProgress()
-    progress.say(f"building the model from {args.model} ...")
-    model = load_model_factory(args.model)()
+    progress.say(f"building the model from {args.model} (shapes only: no weight is "
+                 "allocated) ...")
+    with shapes_only():
+        model = load_model_factory(args.model)()
     planned = plan(model, args.global_batch, device=args.device,
                    accumulation_steps=args.accumulation_steps, precision=args.precision,
                    headroom=args.headroom, compile_batches=args.compile_batches,
-                   search=args.search, progress=progress)
+                   search=args.search, progress=progress, compiler=args.compiler,
+                   mesh=args.mesh)
     print(planned)
     if args.by_layer:
         from keras_tpu_mem.planning.by_layer_text import whole_table_text
@@ -168,6 +172,18 @@ def _batch_list(text: str) -> list[int]:
     return batches
 
 
+def _mesh_spec(text: str) -> dict:
+    """argparse type of --mesh: `batch=4,model=4` -> {"batch": 4, "model": 4}."""
+    mesh = {}
+    for part in text.split(","):
+        name, sep, size = part.partition("=")
+        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"must be AXIS=SIZE pairs such as batch=4,model=4; got {text!r}")
+        mesh[name.strip()] = int(size)
+    return mesh
+
+
 def _model_spec(text: str) -> str:
     """argparse type of --model: checks the MODULE:FUNCTION form without importing it."""
     module, sep, function = text.rpartition(":")
@@ -179,6 +195,8 @@ def _model_spec(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from keras_tpu_mem.devices.tpu_slices import KNOWN_SLICES
+
     parser = argparse.ArgumentParser(
         prog="keras-tpu-mem",
         description="Memory tools for training Keras 3 models on TPUs.",
@@ -202,11 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", required=True, type=_model_spec,
                       help="MODULE:FUNCTION (or path/file.py:FUNCTION) returning a compiled "
                            "keras.Model")
-    plan.add_argument("--global-batch", type=int, required=True,
-                      help="examples per step over all replicas")
+    plan.add_argument("--global-batch", "--batch", dest="global_batch", type=int,
+                      required=True, help="examples per step over all replicas")
     plan.add_argument("--device", default="v3-8",
-                      help="TPU type such as v3-8, v4-32, v5litepod-16, or a size such "
-                           "as 12GiB / 16GB-4 (default: v3-8)")
+                      help="a TPU slice, compiled by XLA:TPU where libtpu is installed "
+                           "(pip install \"keras-tpu-mem[tpu-plan]\"; no TPU needed): "
+                           + ", ".join(KNOWN_SLICES)
+                           + "; or a memory size such as 12GiB / 16GB-4 (default: v3-8)")
+    plan.add_argument("--compiler", default="auto", choices=("auto", "tpu", "host"),
+                      help="auto: XLA:TPU for a TPU slice when libtpu loads, else the "
+                           "host's XLA:CPU; tpu: XLA:TPU or an error; host: XLA:CPU")
+    plan.add_argument("--mesh", type=_mesh_spec, default=None,
+                      help="axis sizes of the slice's mesh, e.g. batch=4,model=4 "
+                           "(default: the batch axis over every device)")
     plan.add_argument("--accumulation-steps", type=int, default=None,
                       help="micro-batches per replica step")
     plan.add_argument("--precision", default=None,

@@ -33,6 +33,12 @@ class Backend:
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"
 
+    def compiles_for_tpu(self) -> bool:
+        """Whether this backend compiles a TPU slice's step in-process (JAX, through
+        libtpu's compile-only devices: `tpu_topology`); TensorFlow plans its models'
+        JAX lowering in a subprocess instead."""
+        return importlib.util.find_spec(f"{__package__}.{self.name}.tpu_topology") is not None
+
     def __getattr__(self, concern: str):
         if concern.startswith("_"):
             raise AttributeError(concern)

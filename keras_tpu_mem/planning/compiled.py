@@ -14,6 +14,7 @@ assignment, JAX's `memory_analysis()`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -35,6 +36,9 @@ from keras_tpu_mem.planning.specs import (
     infer_data_specs,
     sample_structures,
 )
+from keras_tpu_mem.planning.target import compiling_for, host_label
+from keras_tpu_mem.planning.target import resolve as resolve_target
+from keras_tpu_mem.shapes import deferring, is_shapes_only, reading_shapes
 
 # Compiles are deterministic for a given model state, batch and data spec, and
 # cost seconds to minutes: remember them per model (weakly, so models are
@@ -114,7 +118,7 @@ class Compiler:
     """
 
     def __init__(self, model, x_spec=None, y_spec=None, what="compiled_memory",
-                 sample_batch=None):
+                 sample_batch=None, target=None):
         self.backend_name = backends.current(what).name
         self.backend = backends.get(self.backend_name).compiled
         _check_model(model, what)
@@ -128,8 +132,60 @@ class Compiler:
         self.sample_batch = (None if sample_batch is None
                              else sample_structures(sample_batch))
         self.copied = self.backend.distributed_strategy(model) is not None
+        # The TPU slice XLA:TPU compiles for (`target.CompileTarget`), None: the host.
+        self.target = target
         self._model = None
         self._built = False
+        self._scope_args = None
+
+    @contextlib.contextmanager
+    def targeting(self):
+        """The block in which this compiler compiles: deferred variables (a model built
+        in `ktm.shapes_only()`) read as shapes, the state a compile creates for such a
+        model (optimizer slots, feature state) is deferred too, and with a `target`
+        every compile is for the slice: the model's missing state is built on the host
+        first (a slice's devices hold no values), then its layouts on the slice's mesh
+        are proposed to the compiles.
+
+        Example:
+
+        ```python
+        with compiler.targeting():
+            compiler.compile_batch(256)     # XLA:TPU's compile for the slice
+        ```
+        """
+        deferred = is_shapes_only(self.user_model)
+        with reading_shapes(), (deferring() if deferred else contextlib.nullcontext()):
+            if self.target is None:
+                yield
+                return
+            if not self._built:
+                xs, ys = self.specs(len(self.target.devices))
+                _build_for(self.model, xs, ys)
+                self._built = True
+            active = keras.distribution.distribution()
+            self._scope_args = (self.model, self.target, active, self.what)
+            try:
+                with compiling_for(*self._scope_args):
+                    yield
+            finally:
+                self._scope_args = None
+
+    def scope_factory(self):
+        """A callable giving a context in which a later compile is this one's (a
+        `CompiledMemory.by_layer()` after the plan has returned)."""
+        deferred = is_shapes_only(self.user_model)
+        if self._scope_args is not None:
+            args = self._scope_args
+            return lambda: _reading(compiling_for(*args), deferred)
+        scope = self.backend.compile_scope()
+        return lambda: _reading(scope(), deferred)
+
+    @property
+    def label(self) -> str:
+        """Which compiler answers: `"XLA:TPU (TPU v5 lite, v5e:4x4, 16 devices, libtpu
+        0.0.42.1)"`, else the host's, named from its first compile."""
+        return self.target.label if self.target is not None else ""
 
     @property
     def model(self):
@@ -180,7 +236,7 @@ class Compiler:
         return result
 
     def compile_global(self, global_batch: int, features=(),
-                       hlo_text: bool = False) -> CompiledMemory:
+                       hlo_text: bool = False, keras_step: bool = False) -> CompiledMemory:
         """The step at the batch one compile takes: one replica's on TensorFlow, the
         global batch over the active `keras.distribution`'s devices on JAX."""
         self.backend.check_context(self.what)
@@ -201,7 +257,8 @@ class Compiler:
             cache = _CACHE.setdefault(self.user_model, {})
         except TypeError:  # not weak-referenceable: no cache
             cache = {}
-        key = (_state_key(self.user_model, xs, ys, features), self.backend.cache_scope())
+        key = (_state_key(self.user_model, xs, ys, features), self.backend.cache_scope(),
+               keras_step)
         cached = cache.get(key)
         if cached is not None and (cached.hlo_text or not hlo_text):
             return cached
@@ -210,7 +267,8 @@ class Compiler:
             _build_for(model, xs, ys)
             self._built = True
             # Building may add variables.
-            key = (_state_key(self.user_model, xs, ys, features), self.backend.cache_scope())
+            key = (_state_key(self.user_model, xs, ys, features), self.backend.cache_scope(),
+                   keras_step)
             cached = cache.get(key)
             if cached is not None and (cached.hlo_text or not hlo_text):
                 return cached
@@ -219,8 +277,13 @@ class Compiler:
         micro = _micro_batches(model, features, global_batch // shards)
         description = (f"the engine's step for {', '.join(type(f).__name__ for f in features)}"
                        if features else "the model's train step")
-        stats = self.backend.compile_step(model, xs, ys, features, compile_context, hlo_text,
-                                          description)
+        refused = getattr(self.backend, "CompileRefused", ())
+        extra = {"keras_step": True} if keras_step else {}
+        try:
+            stats = self.backend.compile_step(model, xs, ys, features, compile_context,
+                                              hlo_text, description, **extra)
+        except refused as verdict:
+            stats = self._refused_stats(model, xs, ys, verdict)
         trainable = _device_bytes(model.trainable_weights, self.backend)
         result = CompiledMemory(
             batch_size=global_batch,
@@ -240,11 +303,33 @@ class Compiler:
             hlo_text=stats["hlo_text"],
             backend=self.backend_name,
             devices=stats["devices"],
-            layer_source=_LayerSource(self, xs, ys, features, description),
+            compiler=self.label or host_label(stats["platform"], stats["devices"]),
+            refused=stats.get("refused", ""),
+            layer_source=(None if stats.get("refused") else
+                          _LayerSource(self, xs, ys, features, description)),
         )
         cache[key] = result
         logger.debug("%s: compiled the step at batch %d: %s", self.what, global_batch, result)
         return result
+
+
+    def _refused_stats(self, model, xs, ys, verdict) -> dict:
+        """The figures of a step XLA refused as too large for the device: the state and
+        the batch as laid out, the rest of what XLA said it required as temporaries."""
+        state = (_device_bytes(model.variables, self.backend)
+                 + _device_bytes(model.optimizer.variables, self.backend)
+                 + _device_bytes(keras.tree.flatten((xs, ys)), self.backend, variables=False))
+        required = verdict.required_bytes or 0
+        platform, devices = self.backend.platform_and_devices()
+        return dict(argument=state, temp=max(0, required - state), live_out=0, alias=0,
+                    constant=0, module_name="", platform=platform, devices=devices,
+                    hlo_text="", refused=verdict.message)
+
+
+@contextlib.contextmanager
+def _reading(scope, deferred: bool):
+    with reading_shapes(), (deferring() if deferred else contextlib.nullcontext()), scope:
+        yield
 
 
 class _LayerSource:
@@ -258,7 +343,7 @@ class _LayerSource:
         model = compiler.model
         self.model = (lambda: model) if compiler.copied else weakref.ref(model)
         self.backend_name = compiler.backend_name
-        self.scope = compiler.backend.compile_scope()
+        self.scope = compiler.scope_factory()
         self.args = (xs, ys, tuple(features), description)
         self.table = None
 
@@ -318,7 +403,8 @@ def check_callbacks(callbacks, what: str) -> tuple:
 
 def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_spec=None,
                     y_spec=None, sample_batch=None, hlo_text: bool = True,
-                    per_replica_batch_size: int | None = None) -> CompiledMemory:
+                    per_replica_batch_size: int | None = None, device=None,
+                    compiler: str = "auto", mesh: dict | None = None) -> CompiledMemory:
     """Compiles the train step with XLA and returns its memory breakdown.
 
     Without `callbacks` the step is Keras' own `model.train_step` (forward,
@@ -359,6 +445,15 @@ def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_s
             without sample weights.
         hlo_text: Keep the optimized HLO text in `CompiledMemory.hlo_text`
             (on TensorFlow a second XLA compile of the same step; False skips it).
+        device: A TPU slice to compile for with XLA:TPU ahead of time, e.g.
+            `"v5e-16"`, `"v3-8"` (no TPU needed: `pip install
+            "keras-tpu-mem[tpu-plan]"` adds libtpu); None (default): the host's XLA.
+            See `plan` for how the model is laid out on the slice.
+        compiler: `"auto"` (XLA:TPU when `device` names a slice and libtpu loads,
+            else the host's, with a log line), `"tpu"` (XLA:TPU or a ValueError),
+            `"host"`. `CompiledMemory.compiler` says which answered; a step XLA:TPU
+            refuses as too large comes back with `refused` set (XLA's message).
+        mesh: Axis sizes of the slice's mesh instead of the rule (see `plan`).
         per_replica_batch_size: Deprecated: the per-replica batch, the meaning
             `batch_size` had on TensorFlow before; use `batch_size` = this x the
             replicas.
@@ -403,7 +498,37 @@ def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_s
     if not isinstance(hlo_text, bool):
         raise TypeError(f"`hlo_text` must be True or False, got {hlo_text!r}.")
     features = check_callbacks(callbacks, "compiled_memory")
-    compiler = Compiler(model, x_spec, y_spec, sample_batch=sample_batch)
-    if per_replica_batch_size is not None:
-        batch_size = per_replica_batch_size * compiler.replicas
-    return compiler.compile_batch(batch_size, features, hlo_text)
+    target, note = resolve_target(device, compiler, "compiled_memory", mesh)
+    if note is not None:
+        logger.info("compiled_memory: %s", note)
+    compiler = Compiler(model, x_spec, y_spec, sample_batch=sample_batch, target=target)
+    with compiler.targeting():
+        if per_replica_batch_size is not None:
+            batch_size = per_replica_batch_size * compiler.replicas
+        return compiler.compile_batch(batch_size, features, hlo_text)
+
+
+def keras_step_memory(model, batch_size: int, *, device=None, compiler: str = "auto",
+                      mesh: dict | None = None) -> CompiledMemory:
+    """`compiled_memory` of Keras' own `train_step` (JAX), even where `fit` would run the
+    engine's sharded step (state split over the batch axis): that state's layouts left
+    to XLA's SPMD partitioner, for comparing the two (`benchmarks/tpu_plans.py`).
+
+    Example:
+
+    ```python
+    with ktm.ShardedDataParallel().scope():
+        engine = ktm.compiled_memory(model, 256, device="v5e-8")
+        spmd = keras_step_memory(model, 256, device="v5e-8")
+    ```
+    """
+    check_positive_int(batch_size, "batch_size")
+    target, note = resolve_target(device, compiler, "keras_step_memory", mesh)
+    compiler = Compiler(model, what="keras_step_memory", target=target)
+    with compiler.targeting():
+        replicas = compiler.replicas
+        if batch_size % replicas:
+            raise ValueError(f"keras_step_memory: `batch_size` {batch_size} does not split "
+                             f"over the {replicas} replicas; use a multiple of {replicas}.")
+        result = compiler.compile_global(batch_size, (), True, keras_step=True)
+        return dataclasses.replace(result, replicas=replicas)

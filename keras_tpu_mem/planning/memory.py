@@ -59,6 +59,13 @@ class CompiledMemory:
         replicas: Replicas `batch_size` is split over (the active
             distribution's batch-axis devices on JAX, the model's strategy's
             replicas on TensorFlow); each compiles `batch_size / replicas`.
+        compiler: Which compiler answered, e.g. `"XLA:TPU (TPU v5 lite, v5e:4x4, 16
+            devices, libtpu 0.0.42.1)"` (a TPU slice compiled ahead of time) or
+            `"XLA:CPU (1 device)"` (the host).
+        refused: XLA's own message where it refused to compile the step because it
+            does not fit the device (XLA:TPU's RESOURCE_EXHAUSTED), else `""`. The
+            byte counts are then the state and batch as laid out and, as
+            temporaries, the rest of the total XLA said the step required.
     """
 
     batch_size: int
@@ -79,6 +86,8 @@ class CompiledMemory:
     backend: str = "tensorflow"
     devices: int = 1
     replicas: int = 1
+    compiler: str = ""
+    refused: str = ""
     # Recompiles the same step with XLA's buffer assignment written out (set by the
     # Compiler; None on a CompiledMemory built by hand).
     layer_source: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -105,6 +114,9 @@ class CompiledMemory:
         print(table.top(5))
         ```
         """
+        if self.refused:
+            raise ValueError(f"by_layer(): {self.compiler} refused this step "
+                             f"({self.refused}); there is no buffer assignment to read.")
         if self.layer_source is None:
             raise ValueError("by_layer() needs a CompiledMemory made by compiled_memory() "
                              "(or plan()), which knows the model and the step.")
@@ -153,8 +165,11 @@ class CompiledMemory:
             batch = f"{compiled.TABLE_SCOPE} batch {self.batch_size}"
         else:
             batch = f"batch {self.batch_size}"
-        head = f"XLA buffer assignment of {step}, {batch} ({self.platform} compile)"
+        head = (f"XLA buffer assignment of {step}, {batch} "
+                f"({self.compiler or self.platform + ' compile'})")
         lines = [head]
+        if self.refused:
+            lines.append(f"  refused by XLA: {self.refused}")
         for name, value, note in rows:
             lines.append(f"  {name:<12}{fb(value):>12}  {note}".rstrip())
         return "\n".join(lines)

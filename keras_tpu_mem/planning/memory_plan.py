@@ -70,6 +70,9 @@ class Recommendation:
     remat_layers: tuple | None = None
     #: The distribution the candidate was compiled under (None: none active).
     compiled_under: object = dataclasses.field(default=None, compare=False, repr=False)
+    #: The TPU slice XLA:TPU compiled it for (`planning.target.CompileTarget`), None:
+    #: the host.
+    target: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def callbacks(self) -> list:
         """The feature callbacks that realise this configuration, ready for `fit`.
@@ -97,7 +100,16 @@ class Recommendation:
         with p.recommendation.distribution().scope():
             model.fit(x, y, batch_size=1024, callbacks=p.recommendation.callbacks())
         ```
+
+        A recommendation XLA:TPU compiled for a TPU slice (`plan(..., device="v5e-16")`)
+        gives that distribution over this process's devices when they are the slice's
+        kind and count (run it on the slice), else a ValueError saying which slice it
+        is meant for.
         """
+        if self.target is not None:
+            from keras_tpu_mem.planning.target import on_this_machine
+
+            return on_this_machine(self.compiled_under, self.target)
         return self.compiled_under
 
     def describe(self) -> str:
@@ -166,6 +178,11 @@ class MemoryPlan:
     by_layer: object = dataclasses.field(default=None, compare=False, repr=False)
     #: Which configuration `by_layer` is of, in words.
     by_layer_of: str = ""
+    #: Which compiler answered: `"XLA:TPU (TPU v5 lite, v5e:4x4, 16 devices, libtpu
+    #: 0.0.42.1)"` for a TPU slice compiled ahead of time, `"XLA:CPU (...)"` on the host.
+    compiler: str = ""
+    #: XLA's message where it refused the planned step as too large (XLA:TPU), else "".
+    refused: str = ""
 
     @property
     def capacity_bytes(self) -> int:
@@ -211,6 +228,8 @@ class MemoryPlan:
             how += f"; {self.precision} estimated from the {self.model_precision} compiles"
         lines = [
             f"Memory plan on {d.name} ({fb(d.capacity_bytes)} per replica), {self.precision}",
+            *([f"  compiled by {self.compiler}"] if self.compiler else []),
+            *([f"  refused by XLA: {self.refused}"] if self.refused else []),
             f"  {batch}",
             f"  {'weights':<24}{fb(self.weight_bytes):>12}",
             f"  {'optimizer slots':<24}{fb(self.optimizer_bytes):>12}",
@@ -267,8 +286,9 @@ class MemoryPlan:
             lines.extend(top_lines(self.by_layer, self.by_layer_of,
                                    whole="; plan.by_layer has every row"))
         for note in self.notes:
+            # Unbroken at hyphens: an install line ("keras-tpu-mem[tpu-plan]") stays whole.
             lines.extend(textwrap.wrap(note, width=96, initial_indent="  note: ",
-                                       subsequent_indent="        "))
+                                       subsequent_indent="        ", break_on_hyphens=False))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -281,6 +301,14 @@ NOT_MODELLED = (
     "16 x 128 for bfloat16, so small or odd feature sizes grow), the TPU compiler's "
     "own fusion and scheduling, nor the runtime's reserved HBM and fragmentation; "
     "the headroom covers these. Keep feature sizes multiples of 128."
+)
+
+
+TPU_NOT_MODELLED = (
+    "XLA:TPU's ahead-of-time compile for the slice is the reference: its layouts (8 x 128 "
+    "tiles), fusion and buffer assignment are the TPU's own, and its capacity is the HBM "
+    "it counts available. It confirms memory and the program, not speed, a run, or the "
+    "interconnect; the headroom covers what the runtime adds at run time."
 )
 
 
@@ -341,4 +369,5 @@ def assemble(device: DeviceBudget, global_batch_size: int, per_replica: int,
         recommendation=recommendation, largest_batch=largest,
         bf16_activation_bytes=bf16_activation, bf16_total_bytes=bf16_total,
         bf16_recommendation=bf16_recommendation, bf16_largest_batch=bf16_largest,
-        notes=(*notes, NOT_MODELLED), **more)
+        notes=(*notes, NOT_MODELLED if not str(more.get("compiler", "")).startswith("XLA:TPU")
+               else TPU_NOT_MODELLED), **more)

@@ -30,6 +30,8 @@ from keras_tpu_mem.planning.memory_plan import (
 )
 from keras_tpu_mem.planning.search import MAX_COMPILE_BATCH, compiled_plan
 from keras_tpu_mem.planning.specs import _spec_bytes, _unique, _variable_bytes
+from keras_tpu_mem.planning.target import resolve as resolve_target
+from keras_tpu_mem.planning.target import slice_budget
 
 # Per-replica batches planned by compiling them directly: at most this.
 _MAX_DIRECT_BATCH = 64
@@ -132,6 +134,8 @@ def plan(
     max_compile_batch: int = MAX_COMPILE_BATCH,
     sample_batch=None,
     by_layer: bool = True,
+    compiler: str = "auto",
+    mesh: dict | None = None,
 ) -> MemoryPlan:
     """Plans one replica's memory for training `model` at `global_batch_size`.
 
@@ -196,6 +200,20 @@ def plan(
             feature callbacks (distillation, pruning) stay in every candidate.
         max_compile_batch: The largest per-replica batch compiled directly
             (with `callbacks` or `search`).
+        compiler: Which XLA answers. `"auto"` (default): XLA:TPU when `device`
+            names a TPU slice (`"v5e-16"`, `"v3-8"`, `"v6e-64"`) and libtpu is
+            installed (`pip install "keras-tpu-mem[tpu-plan]"`; no TPU needed: the
+            step is compiled ahead of time for that slice, nothing runs), else the
+            host's XLA:CPU with a note naming the install. `"tpu"`: XLA:TPU or a
+            ValueError saying why not. `"host"`: XLA:CPU. `MemoryPlan.compiler`
+            says which answered. On the slice the model's state is laid out as its
+            distribution lays it out on the host (none or `DataParallel`: batch over
+            every device; `ShardedDataParallel`: the same split; a `ModelParallel`
+            LayoutMap: its non-batch axes keep their sizes, the batch axis takes
+            the rest), its capacity is the HBM XLA:TPU counts per device, and a step
+            XLA:TPU refuses (RESOURCE_EXHAUSTED) is "does not fit" with its figures.
+        mesh: Axis sizes of the slice's mesh, e.g. `{"batch": 4, "model": 4}`,
+            instead of the rule above (XLA:TPU only).
         by_layer: Where the plan compiles the step, also compile the
             configuration it reports (the recommendation, else the planned
             step) once more for its memory by Keras layer: `MemoryPlan.by_layer`,
@@ -223,6 +241,21 @@ def plan(
     if not isinstance(by_layer, bool):
         raise TypeError(f"`by_layer` must be True or False, got {by_layer!r}.")
     check_positive_int(max_compile_batch, "max_compile_batch")
+    if compiler == "tpu" and not backends.current("plan").compiles_for_tpu():
+        # TensorFlow: the same Keras model's JAX lowering, compiled by XLA:TPU in a JAX
+        # subprocess (`jax_lowering`).
+        from keras_tpu_mem.planning.jax_lowering import plan_with_jax
+
+        return plan_with_jax(
+            model, global_batch_size, device=device, accumulation_steps=accumulation_steps,
+            precision=precision, headroom=headroom, x_spec=x_spec, y_spec=y_spec,
+            callbacks=callbacks, search=search, max_compile_batch=max_compile_batch,
+            sample_batch=sample_batch, by_layer=by_layer, mesh=mesh)
+    target, target_note = resolve_target(device, compiler, "plan", mesh)
+    if target is not None and callbacks is None and not search:
+        # XLA:TPU answers about the step it compiles: no estimate.
+        callbacks = _levers_for(model, accumulation_steps, precision, compile_batches)
+        accumulation_steps = precision = None
     if callbacks is None and not search and not backends.current("plan").compiled.ESTIMATES:
         # No estimate here (JAX compiles are cheap, and its small-batch compiles
         # do not extrapolate): the step is compiled at the plan's batch, with the
@@ -233,7 +266,7 @@ def plan(
         return _plan_on_compiles(model, global_batch_size, device, callbacks, search,
                                  accumulation_steps, precision, headroom, compile_batches,
                                  x_spec, y_spec, progress, max_compile_batch, sample_batch,
-                                 by_layer)
+                                 by_layer, target, target_note)
     budget_device = _device_for(device)
     wanted_precision = _normalise_precision(precision)
     replicas = budget_device.replicas
@@ -257,10 +290,11 @@ def plan(
     if progress is not None and not callable(progress):
         raise TypeError(f"`progress` must be None or a callable, got {progress!r}.")
     results = []
-    for done, batch in enumerate(batches):
-        if progress is not None:
-            progress(done, len(batches), batch)
-        results.append(compiler(batch))
+    with compiler.targeting():
+        for done, batch in enumerate(batches):
+            if progress is not None:
+                progress(done, len(batches), batch)
+            results.append(compiler(batch))
     if progress is not None:
         progress(len(batches), len(batches), None)
     act = ActivationModel(tuple((r.batch_size, r.temp_bytes) for r in results))
@@ -316,7 +350,7 @@ def plan(
                     activations=(act.per_sample_bytes, act.fixed_bytes), batches=batches,
                     extrapolated=micro not in batches, recommendation=recommendation,
                     largest=largest, notes=notes,
-                    bf16=(bf16_act, bf16_total, bf16_rec, bf16_largest))
+                    bf16=(bf16_act, bf16_total, bf16_rec, bf16_largest), compiler=ref.compiler)
 
 
 def _levers_for(model, accumulation_steps, precision, compile_batches) -> list:
@@ -338,7 +372,7 @@ def _levers_for(model, accumulation_steps, precision, compile_batches) -> list:
 
 def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accumulation_steps,
                       precision, headroom, compile_batches, x_spec, y_spec, progress, cap,
-                      sample_batch=None, by_layer=True):
+                      sample_batch=None, by_layer=True, target=None, target_note=None):
     """`plan(..., callbacks=...)` / `plan(..., search=True)`: see `search.compiled_plan`."""
     for name, value in (("accumulation_steps", accumulation_steps), ("precision", precision),
                         ("compile_batches", compile_batches)):
@@ -350,19 +384,22 @@ def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accum
     if progress is not None and not callable(progress):
         raise TypeError(f"`progress` must be None or a callable, got {progress!r}.")
     features = check_callbacks(callbacks, "plan")
-    budget_device = _device_for(device)
-    per_replica = _per_replica_batch(global_batch_size, budget_device)
-    notes = []
+    notes = [] if target_note is None else [target_note]
     # On JAX per replica = per data-parallel shard of the active distribution,
     # and every byte count is one device's (see `Compiler.__call__`).
-    compiler = Compiler(model, x_spec, y_spec, what="plan", sample_batch=sample_batch)
+    compiler = Compiler(model, x_spec, y_spec, what="plan", sample_batch=sample_batch,
+                        target=target)
     if compiler.copied:
         notes.append(_HOST_COPY_NOTE)
     wrapped = None
     if progress is not None:
         def wrapped(done, total, batch):
             progress(done, done + (batch is not None), batch)
-    return compiled_plan(compiler, features, budget_device=budget_device,
-                         global_batch_size=global_batch_size, per_replica=per_replica,
-                         headroom=headroom, search=search, cap=cap, progress=wrapped,
-                         notes=notes, by_layer=by_layer)
+    with compiler.targeting():
+        budget_device = (_device_for(device) if target is None
+                         else slice_budget(target, compiler.replicas))
+        per_replica = _per_replica_batch(global_batch_size, budget_device)
+        return compiled_plan(compiler, features, budget_device=budget_device,
+                             global_batch_size=global_batch_size, per_replica=per_replica,
+                             headroom=headroom, search=search, cap=cap, progress=wrapped,
+                             notes=notes, by_layer=by_layer)

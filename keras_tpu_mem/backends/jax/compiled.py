@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 
 import jax
@@ -51,6 +52,35 @@ SPEC_NAME = "jax.ShapeDtypeStruct"
 def make_spec(shape, dtype_name: str):
     """A `jax.ShapeDtypeStruct` (exposes `.shape` and `.dtype.name`)."""
     return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(dtype_name))
+
+
+class CompileRefused(RuntimeError):
+    """XLA refused to compile the step because it does not fit the device (XLA:TPU's
+    RESOURCE_EXHAUSTED at compile time): a verdict, with XLA's own message.
+
+    Attributes:
+        message: XLA's message, on one line.
+        required_bytes, available_bytes: Its figures ("the total memory required
+            for HLO temporaries (16.35G) exceeds available HBM (15.75G)"), None where
+            the message has none.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+        match = _REFUSAL.search(message)
+        self.required_bytes = None if match is None else _bytes(match.group(1))
+        self.available_bytes = None if match is None else _bytes(match.group(2))
+
+
+# XLA:TPU's refusal; it prints byte counts with binary units ("15.75G" = 15.75 GiB).
+_REFUSAL = re.compile(r"\(([\d.]+[KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)")
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _bytes(text: str) -> int:
+    unit = _UNITS.get(text[-1], 1)
+    return int(float(text.rstrip("KMGT")) * unit)
 
 
 def is_out_of_memory(error) -> bool:
@@ -173,9 +203,47 @@ def _batch_structs(distribution, xs, ys):
         lambda s: _struct(s.shape, s.dtype, _data_sharding(distribution, s.shape)), (xs, ys))
 
 
-def _platform_and_devices(distribution):
+def platform_and_devices(distribution=None):
+    """`(platform, devices)` the active distribution (or `distribution`) compiles for:
+    `("TPU", 16)`."""
+    distribution = distribution if distribution is not None else _distribution()
     devices = _mesh_devices(distribution)
     return str(devices[0].platform).upper(), (1 if distribution is None else len(devices))
+
+
+def all_devices() -> list:
+    """Every device of the job (all processes), as a distribution over them names them."""
+    return list(jax.devices())
+
+
+_CAPACITY: dict = {}
+
+
+def xla_capacity(devices) -> int:
+    """One device's memory as XLA counts it when it refuses a program ("exceeds
+    available HBM (15.75G)" on TPU v5 lite: the chip's 16 GiB less what the runtime
+    keeps), read by compiling a program that cannot fit (nothing runs; cached per device
+    kind).
+
+    Raises:
+        RuntimeError: XLA compiled the probe or refused it without that figure.
+    """
+    kind = devices[0].device_kind
+    if kind not in _CAPACITY:
+        mesh = jax.sharding.Mesh(np.asarray(devices[:1]), ("d",))
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        # 4 TiB of float32: more than any accelerator holds.
+        big = jax.ShapeDtypeStruct((2**40,), jnp.float32, sharding=whole)
+        try:
+            jax.jit(lambda x: x + 1, out_shardings=whole).lower(big).compile()
+        except Exception as err:
+            refused = CompileRefused(" ".join(str(err).split()))
+            if refused.available_bytes is None or not is_out_of_memory(err):
+                raise RuntimeError(f"XLA gave no memory capacity for {kind}: {err}") from err
+            _CAPACITY[kind] = refused.available_bytes
+        else:
+            raise RuntimeError(f"XLA compiled 4 TiB for one {kind}: no capacity to read.")
+    return _CAPACITY[kind]
 
 
 def _module_name(compiled) -> str:
@@ -186,12 +254,15 @@ def _module_name(compiled) -> str:
 
 
 def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
-                 description: str, dump: bool = False) -> dict:
+                 description: str, dump: bool = False, keras_step: bool = False) -> dict:
     """Lowers and compiles the step for the batch specs and reads `memory_analysis()`.
 
     With `dump`, XLA also writes the optimized module, its buffer assignment and live
     ranges (`_compat.jax.compile_with_dump`), returned as `stats["dump"]` (a dict of
-    their texts, keys `hlo`, `buffers`, `live`) for `compiled_layers`."""
+    their texts, keys `hlo`, `buffers`, `live`) for `compiled_layers`. With
+    `keras_step` (and no features) Keras' own `train_step` is compiled even for state
+    split over the batch axis, left to XLA's SPMD partitioner (`fit` runs the engine's
+    sharded step there)."""
     distribution = _distribution()
     state = _state_structs(model, distribution)
     batch = _batch_structs(distribution, xs, ys)
@@ -205,9 +276,15 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
         # State split over the batch axis: the engine's sharded step, as `fit` runs
         # it then even without features (`trainer_sharded`).
         shardings = jax.tree_util.tree_map(lambda s: s.sharding, state)
-        sharded = model.optimizer is not None and make_state_layout(model, shardings)
+        sharded = (not keras_step and model.optimizer is not None
+                   and make_state_layout(model, shardings))
         step = (backend_step.make_step(jit=False, state_shardings=shardings)
                 if features or sharded else model.train_step)
+        if out_shardings is not None and step is not model.train_step:
+            # A step whose features carry state (pruning masks) returns it after the
+            # model's: XLA lays that out as it likes, as it does in `fit`.
+            outputs = len(jax.eval_shape(step, state, batch))
+            out_shardings += (None,) * (outputs - len(out_shardings))
         jitted = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
         try:
             if dump:
@@ -216,10 +293,12 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
                 compiled, texts = jitted.lower(state, batch).compile(), None
         except Exception as err:
             first = str(err).splitlines()[0] if str(err) else ""
+            if is_out_of_memory(err):
+                raise CompileRefused(" ".join(str(err).split())) from err
             raise RuntimeError(f"XLA could not compile {description} on JAX "
                                f"({type(err).__name__}: {first}).") from err
     stats = jax_compat.memory_analysis(compiled)
-    platform, devices = _platform_and_devices(distribution)
+    platform, devices = platform_and_devices(distribution)
     return dict(
         argument=int(stats.argument_size_in_bytes),
         temp=int(stats.temp_size_in_bytes),

@@ -1,0 +1,292 @@
+"""XLA:TPU's verdict next to XLA:CPU's, for TPU slices this machine does not have.
+
+Every model is built with `ktm.shapes_only()` (no weight allocated) and planned through
+`ktm.compiled_memory` / `ktm.plan` with `device=` a Cloud TPU slice, compiled ahead of
+time by XLA:TPU through libtpu (`pip install "keras-tpu-mem[tpu-plan]"`); nothing runs.
+Parts (`--parts`, default all):
+
+* `bert`     the README's BERT shapes (Base: 12 layers, width 768; Large: 24 layers,
+             width 1024; masked-LM head, Adam, float32) at sequence 128 and 512 on
+             v3-8 and v5e-8: XLA:CPU's total at the per-chip batch (one host device)
+             and XLA:TPU's per-chip total at the same batch, their ratio, the largest
+             per-chip batch XLA:TPU fits (doubling until it refuses), compile seconds;
+* `decoder`  a 7B decoder in plain Keras with Gemma 7B's dimensions (28 blocks, width
+             3072, 16 heads of 256, gated feed-forward 24576, vocabulary 256000,
+             untied output: about 9.3B parameters), global batch 8, sequence 512, on
+             v5e-8, v5e-16 and v6e-8: full fine-tuning with Adam in float32 under
+             `ShardedDataParallel()` (weights and slots split over the chips), and LoRA
+             rank 8 on a bfloat16 backbone (replicated);
+* `sharded`  the engine's `shard_map` step against Keras' own step on the same
+             `ShardedDataParallel` layouts left to XLA:TPU's SPMD partitioner: per-chip
+             totals and the collectives each optimized HLO holds.
+
+Host RSS is read before and after each part (peak resident memory of the process).
+What XLA:TPU's compile confirms: the program and its memory on that TPU (layouts,
+fusion, buffer assignment, the HBM it counts available). What it does not: speed, a
+run, the interconnect.
+
+Run:  python benchmarks/tpu_plans.py [--parts bert,decoder,sharded] [--quick]
+                                     [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("NPROC", "16")
+# A machine without a TPU: JAX runs on the host CPU; libtpu only compiles.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+
+def _rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _gib(n) -> str:
+    return "—" if n is None else f"{n / 2**30:.2f}"
+
+
+def decoder(blocks=28, width=3072, heads=16, head_dim=256, ffn=24576, vocab=256000,
+            seq=512, lora_rank=None, dtype=None):
+    """A Gemma-7B-shaped decoder in plain Keras layers (causal attention, RMS norms, a
+    gated feed-forward, untied output), compiled with Adam."""
+    import keras
+
+    policy = keras.config.dtype_policy()
+    if dtype is not None:
+        keras.config.set_dtype_policy(dtype)
+    try:
+        tokens = keras.Input((seq,), dtype="int32")
+        x = keras.layers.Embedding(vocab, width, name="embed")(tokens)
+        for i in range(blocks):
+            h = keras.layers.LayerNormalization(rms_scaling=True, name=f"b{i}_norm1")(x)
+            h = keras.layers.MultiHeadAttention(heads, head_dim, name=f"b{i}_attention")(
+                h, h, use_causal_mask=True)
+            x = x + h
+            h = keras.layers.LayerNormalization(rms_scaling=True, name=f"b{i}_norm2")(x)
+            gate = keras.layers.Dense(ffn, activation="gelu", name=f"b{i}_gate")(h)
+            up = keras.layers.Dense(ffn, name=f"b{i}_up")(h)
+            x = x + keras.layers.Dense(width, name=f"b{i}_down")(gate * up)
+        x = keras.layers.LayerNormalization(rms_scaling=True, name="final_norm")(x)
+        logits = keras.layers.Dense(vocab, name="logits", dtype="float32")(x)
+        model = keras.Model(tokens, logits)
+    finally:
+        keras.config.set_dtype_policy(policy)
+    if lora_rank:
+        for layer in model._flatten_layers(include_self=False):
+            if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)) \
+                    and layer.name != "logits":
+                layer.enable_lora(lora_rank)
+        model.get_layer("embed").trainable = False
+        model.get_layer("logits").trainable = False
+        for layer in model.layers:
+            if isinstance(layer, keras.layers.LayerNormalization):
+                layer.trainable = False
+    model.compile(optimizer=keras.optimizers.Adam(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _bert(size: str, seq: int):
+    from bert_memory import build_model
+
+    if size == "base":
+        return build_model(layers=12, hidden=768, heads=12, intermediate=3072, seq_len=seq,
+                           max_predictions=max(20, seq * 15 // 100))
+    return build_model(layers=24, hidden=1024, heads=16, intermediate=4096, seq_len=seq,
+                       max_predictions=max(20, seq * 15 // 100))
+
+
+def _timed(fn):
+    started = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - started
+
+
+#: The per-chip batch XLA:CPU and XLA:TPU compile side by side.
+PER_CHIP = 8
+
+
+def part_bert(quick: bool) -> list[dict]:
+    import keras_tpu_mem as ktm
+
+    rows = []
+    sizes = ("base",) if quick else ("base", "large")
+    seqs = (128,) if quick else (128, 512)
+    slices = ("v5e-8",) if quick else ("v3-8", "v5e-8")
+    for size in sizes:
+        for seq in seqs:
+            with ktm.shapes_only():
+                model = _bert(size, seq)
+            per_chip, devices = PER_CHIP, 8  # v3-8 and v5e-8 both show 8 devices
+            host, host_s = _timed(lambda m=model: ktm.compiled_memory(
+                m, PER_CHIP, hlo_text=False))
+            for name in slices:
+                tpu, tpu_s = _timed(lambda m=model, n=name: ktm.compiled_memory(
+                    m, PER_CHIP * 8, device=n, hlo_text=False))
+                largest, batch = None, per_chip
+                while batch <= (64 if quick else 1024):
+                    memory = ktm.compiled_memory(model, batch * devices, device=name,
+                                                 hlo_text=False)
+                    if memory.refused:
+                        break
+                    largest, batch = batch, batch * 2
+                rows.append(dict(
+                    part="bert", model=f"BERT-{size}", seq=seq, slice=name,
+                    per_chip_batch=per_chip, cpu_total=host.total_bytes,
+                    tpu_total=tpu.total_bytes, ratio=tpu.total_bytes / host.total_bytes,
+                    largest_per_chip=largest, cpu_compile_s=host_s, tpu_compile_s=tpu_s,
+                    compiler=tpu.compiler, rss_gib=_rss_gib()))
+                print(rows[-1], flush=True)
+    return rows
+
+
+def part_decoder(quick: bool) -> list[dict]:
+    import keras_tpu_mem as ktm
+    from keras_tpu_mem.sharding import ShardedDataParallel
+
+    rows = []
+    blocks = 2 if quick else 28
+    slices = ("v5e-8",) if quick else ("v5e-8", "v5e-16", "v6e-8")
+    for mode in ("full, ShardedDataParallel", "LoRA 8, bfloat16 backbone"):
+        lora = mode.startswith("LoRA")
+        for name in slices:
+            import jax
+
+            devices = jax.devices()[:8]
+            distribution = None if lora else ShardedDataParallel(devices=devices)
+            started = time.perf_counter()
+            if distribution is not None:
+                with distribution.scope(), ktm.shapes_only():
+                    model = decoder(blocks=blocks)
+                with distribution.scope():
+                    planned = ktm.plan(model, 8, device=name, by_layer=False)
+            else:
+                with ktm.shapes_only():
+                    model = decoder(blocks=blocks, lora_rank=8, dtype="bfloat16")
+                planned = ktm.plan(model, 8, device=name, by_layer=False)
+            seconds = time.perf_counter() - started
+            params = sum(int(__import__("math").prod(v.shape)) for v in model.weights)
+            rows.append(dict(
+                part="decoder", mode=mode, slice=name, params=params,
+                total=planned.total_bytes, capacity=planned.capacity_bytes,
+                fits=planned.fits, refused=planned.refused, seconds=seconds,
+                compiler=planned.compiler, rss_gib=_rss_gib()))
+            print(rows[-1], flush=True)
+    return rows
+
+
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                "collective-permute")
+
+
+def _collectives(hlo: str) -> dict:
+    return {op: len(re.findall(rf"= [^=]*\b{op}(?:-start)?\(", hlo)) for op in _COLLECTIVES}
+
+
+def part_sharded(quick: bool) -> list[dict]:
+    """The engine's shard_map step (what `fit` runs under ShardedDataParallel) against
+    Keras' own train step on the same layouts, partitioned by XLA:TPU's SPMD pass."""
+    import jax
+    import keras
+
+    import keras_tpu_mem as ktm
+    from keras_tpu_mem.sharding import ShardedDataParallel
+
+    rows = []
+    width, depth = (1024, 4) if quick else (4096, 8)
+    for name in ("v5e-8",):
+        distribution = ShardedDataParallel(devices=jax.devices()[:8])
+        with distribution.scope(), ktm.shapes_only():
+            model = keras.Sequential(
+                [keras.Input((width,))]
+                + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+                + [keras.layers.Dense(16)])
+            model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+        with distribution.scope():
+            engine = ktm.compiled_memory(model, 256, device=name)
+            # Keras' step on the same layouts: a feature-free compile that asks for the
+            # plain step (the engine's sharded step is what fit runs).
+            from keras_tpu_mem.planning import compiled as compiled_module
+
+            keras_step = compiled_module.keras_step_memory(model, 256, device=name)
+        for label, memory in (("engine shard_map step", engine),
+                              ("Keras step, XLA:TPU SPMD", keras_step)):
+            rows.append(dict(part="sharded", slice=name, step=label,
+                             total=memory.total_bytes, temp=memory.temp_bytes,
+                             collectives=_collectives(memory.hlo_text),
+                             compiler=memory.compiler))
+            print(rows[-1], flush=True)
+    return rows
+
+
+PARTS = {"bert": part_bert, "decoder": part_decoder, "sharded": part_sharded}
+
+
+def markdown(rows: list[dict]) -> str:
+    out = []
+    bert = [r for r in rows if r["part"] == "bert"]
+    if bert:
+        out += ["| model | seq | slice | per-chip batch | XLA:CPU total | XLA:TPU total | "
+                "TPU/CPU | largest per-chip batch (XLA:TPU) | compile CPU / TPU (s) |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in bert:
+            out.append(f"| {r['model']} | {r['seq']} | {r['slice']} | {r['per_chip_batch']} | "
+                       f"{_gib(r['cpu_total'])} GiB | {_gib(r['tpu_total'])} GiB | "
+                       f"{r['ratio']:.2f} | {r['largest_per_chip']} | "
+                       f"{r['cpu_compile_s']:.0f} / {r['tpu_compile_s']:.0f} |")
+        out.append("")
+    dec = [r for r in rows if r["part"] == "decoder"]
+    if dec:
+        out += ["| 7B decoder | slice | parameters | per-chip total (XLA:TPU) | HBM | "
+                "verdict | plan (s) | host RSS peak |", "|---|---|---|---|---|---|---|---|"]
+        for r in dec:
+            verdict = "fits" if r["fits"] else ("refused: " + r["refused"][:90]
+                                                if r["refused"] else "does not fit")
+            out.append(f"| {r['mode']} | {r['slice']} | {r['params'] / 1e9:.2f} B | "
+                       f"{_gib(r['total'])} GiB | {_gib(r['capacity'])} GiB | {verdict} | "
+                       f"{r['seconds']:.0f} | {r['rss_gib']:.2f} GiB |")
+        out.append("")
+    sharded = [r for r in rows if r["part"] == "sharded"]
+    if sharded:
+        out += ["| step (ShardedDataParallel) | slice | per-chip total | temporaries | "
+                "collectives in the HLO |", "|---|---|---|---|---|"]
+        for r in sharded:
+            coll = ", ".join(f"{k} {v}" for k, v in r["collectives"].items() if v)
+            out.append(f"| {r['step']} | {r['slice']} | {_gib(r['total'])} GiB | "
+                       f"{_gib(r['temp'])} GiB | {coll} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="bert,decoder,sharded")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes (a smoke run, not the docs' table)")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    rows = []
+    for part in args.parts.split(","):
+        rows += PARTS[part.strip()](args.quick)
+    print(markdown(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
