@@ -16,7 +16,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "keras_tpu_mem"
 FRAMEWORKS = {"tensorflow", "jax", "jaxlib", "tensorflow_model_optimization"}
 BACKEND_NAMES = {"tensorflow", "jax"}
-MAX_LINES = 500
+MAX_LINES = 1000
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -107,7 +107,7 @@ def _unit(name: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def test_every_module_has_at_most_500_lines():
+def test_every_module_has_at_most_1000_lines():
     long = {name: n for name, path in MODULES.items()
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, long

@@ -96,10 +96,10 @@ def test_devices_and_kinds_of_real_topologies(libtpu, name):
 
 
 def test_megacore_is_what_makes_v4_one_device_per_chip(libtpu):
-    tpu_topology.slice_devices("v4-8")  # libtpu loaded, quietly
+    tpu_topology.slice_devices(tpu_slice("v4-8"))  # libtpu loaded, quietly
     per_core = topologies.get_topology_desc(topology_name="v4:2x2x1", platform="tpu").devices
     assert len(per_core) == 8
-    assert len(tpu_topology.slice_devices("v4-8")) == 4 == tpu_slice("v4-8").chips
+    assert len(tpu_topology.slice_devices(tpu_slice("v4-8"))) == 4 == tpu_slice("v4-8").chips
 
 
 def test_devices_are_cached_per_slice_name(libtpu, monkeypatch):
@@ -109,16 +109,16 @@ def test_devices_are_cached_per_slice_name(libtpu, monkeypatch):
         raise AssertionError("a cached slice loaded again")
 
     monkeypatch.setattr(topologies, "get_topology_desc", no_second_load)
-    again = tpu_topology.slice_devices("v5litepod-8")
+    again = tpu_topology.slice_devices(tpu_slice("v5litepod-8"))
     assert again == first and all(a is b for a, b in zip(again, first))
     again.clear()  # a new list each call: the cache is not the caller's
-    assert len(tpu_topology.slice_devices("v5e-8")) == 8
+    assert len(tpu_topology.slice_devices(tpu_slice("v5e-8"))) == 8
 
 
 def test_loading_prints_nothing(libtpu, fresh_cache, capfd):
     if tpu_topology._tpu_chips_attached():
         pytest.skip("a TPU is attached: libtpu's own messages are left as they are")
-    assert len(tpu_topology.slice_devices("v6e-4")) == 4
+    assert len(tpu_topology.slice_devices(tpu_slice("v6e-4"))) == 4
     assert tpu_topology.available()
     out, err = capfd.readouterr()
     assert (out, err) == ("", "")
@@ -130,8 +130,9 @@ def test_the_first_load_in_a_process_prints_nothing(libtpu, capfd):
         pytest.skip("a TPU is attached: libtpu's own messages are left as they are")
     script = ("import os, sys, logging; from keras_tpu_mem._utils import logger; "
               "from keras_tpu_mem.backends.jax import tpu_topology as t; "
+              "from keras_tpu_mem.devices.tpu_slices import tpu_slice; "
               "logger.setLevel(logging.DEBUG if sys.argv[1] == 'debug' else logging.INFO); "
-              "print(len(t.slice_devices('v5e-8')), t.available(), "
+              "print(len(t.slice_devices(tpu_slice('v5e-8'))), t.available(), "
               f"os.environ.get({LOCK_ENV!r}))")
     env = {k: v for k, v in os.environ.items() if k != LOCK_ENV}
     env["JAX_PLATFORMS"] = "cpu"  # no jax.devices() TPU attempt: libtpu first loads in ours
@@ -152,8 +153,9 @@ def test_jax_devices_stay_on_the_cpu_with_libtpu_installed(libtpu):
     """JAX_PLATFORMS unset: jax.devices() tries libtpu, finds no TPU and answers with CPUs;
     the topologies still load after that in the same process."""
     script = ("import jax; from keras_tpu_mem.backends.jax import tpu_topology as t; "
+              "from keras_tpu_mem.devices.tpu_slices import tpu_slice; "
               "print({d.platform for d in jax.devices()} == {'cpu'}, "
-              "len(t.slice_devices('v5e-16')))")
+              "len(t.slice_devices(tpu_slice('v5e-16'))))")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     env[LOCK_ENV] = "1"  # jax.devices() takes libtpu's lock otherwise (module docstring)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -179,7 +181,7 @@ def test_without_libtpu_slice_devices_names_the_install(monkeypatch, fresh_cache
     monkeypatch.setattr(tpu_topology, "libtpu_version", lambda: None)
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
     with pytest.raises(tpu_topology.TPUCompilerUnavailable) as err:
-        tpu_topology.slice_devices("v5e-8")
+        tpu_topology.slice_devices(tpu_slice("v5e-8"))
     assert tpu_topology.TPU_PLAN_INSTALL in str(err.value)
     assert "libtpu is not installed" in str(err.value) and "v5e-8" in str(err.value)
     assert isinstance(err.value, RuntimeError)
@@ -190,14 +192,14 @@ def test_a_loader_failure_says_why_in_one_line(monkeypatch, fresh_cache, lock_en
     _fake_topology(monkeypatch, error=RuntimeError(
         "ABORTED: Internal error when accessing libtpu multi-process lockfile.\nTrace: ..."))
     with pytest.raises(tpu_topology.TPUCompilerUnavailable) as err:
-        tpu_topology.slice_devices("v5e-8")
+        tpu_topology.slice_devices(tpu_slice("v5e-8"))
     message = str(err.value)
     assert "failed to load for TPU slice v5e-8: ABORTED: Internal error" in message
     assert "Trace" not in message and "ALLOW_MULTIPLE_LIBTPU_LOAD=1" in message
     _fake_topology(monkeypatch, error=OSError("libtpu.so: undefined symbol: X"))
     with pytest.raises(tpu_topology.TPUCompilerUnavailable, match=r"undefined symbol.*"
                        + r'pip install "keras-tpu-mem\[tpu-plan\]"'):
-        tpu_topology.slice_devices("v5e-8")
+        tpu_topology.slice_devices(tpu_slice("v5e-8"))
     assert not tpu_topology.available()
 
 
@@ -205,19 +207,19 @@ def test_an_error_once_libtpu_is_up_is_not_hidden(monkeypatch, fresh_cache):
     _fake_topology(monkeypatch, error=ValueError("INVALID_ARGUMENT: bad topology"),
                    initialized=True)
     with pytest.raises(ValueError, match="INVALID_ARGUMENT: bad topology"):
-        tpu_topology.slice_devices("v5e-8")
+        tpu_topology.slice_devices(tpu_slice("v5e-8"))
 
 
 def test_a_device_count_that_disagrees_is_an_error(monkeypatch, fresh_cache):
     _fake_topology(monkeypatch, count=3, initialized=True)
     with pytest.raises(RuntimeError, match="describes v4-32 .* with 3 devices; "
                                            "keras_tpu_mem expects 16"):
-        tpu_topology.slice_devices("v4-32")
+        tpu_topology.slice_devices(tpu_slice("v4-32"))
 
 
 def test_the_slice_reaches_get_topology_desc_as_written(monkeypatch, fresh_cache):
     calls = _fake_topology(monkeypatch, initialized=True)
-    tpu_topology.slice_devices("v4-32")
+    tpu_topology.slice_devices(tpu_slice("v4-32"))
     assert calls == [("v4:2x2x4", "tpu", {"chip_config_name": "megacore",
                                           "chips_per_host_bounds": (2, 2, 1),
                                           "wrap": (False, False, False)})]
@@ -227,19 +229,19 @@ def test_the_lock_is_shared_only_without_a_tpu_and_a_user_choice(
         monkeypatch, fresh_cache, lock_env_unset):
     _fake_topology(monkeypatch, initialized=True)
     monkeypatch.setattr(tpu_topology, "_tpu_chips_attached", lambda: True)
-    tpu_topology.slice_devices("v5e-8")
+    tpu_topology.slice_devices(tpu_slice("v5e-8"))
     assert LOCK_ENV not in os.environ  # a TPU VM: libtpu's lock guards its chips
     monkeypatch.setattr(tpu_topology, "_tpu_chips_attached", lambda: False)
     monkeypatch.setenv(LOCK_ENV, "0")
-    tpu_topology.slice_devices("v3-8")
+    tpu_topology.slice_devices(tpu_slice("v3-8"))
     assert os.environ[LOCK_ENV] == "0"  # the user's choice stays
     monkeypatch.delenv(LOCK_ENV)
-    tpu_topology.slice_devices("v4-32")
+    tpu_topology.slice_devices(tpu_slice("v4-32"))
     assert os.environ[LOCK_ENV] == "1"
 
 
 def test_bad_arguments():
-    with pytest.raises(TypeError, match="`tpu` must be a TPUSlice or a slice name"):
+    with pytest.raises(TypeError, match=r"`tpu` must be a TPUSlice \(ktm.tpu_slice"):
         tpu_topology.slice_devices(8)
-    with pytest.raises(ValueError, match="not a TPU v5e slice"):
-        tpu_topology.slice_devices("v5e-3")
+    with pytest.raises(TypeError, match=r"`tpu` must be a TPUSlice \(ktm.tpu_slice"):
+        tpu_topology.slice_devices("v5e-8")

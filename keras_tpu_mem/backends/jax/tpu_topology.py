@@ -62,9 +62,9 @@ import os
 import sys
 import tempfile
 import threading
+import types
 
 from keras_tpu_mem._utils import logger
-from keras_tpu_mem.devices.tpu_slices import TPUSlice, tpu_slice
 
 TPU_PLAN_INSTALL = 'pip install "keras-tpu-mem[tpu-plan]"'
 
@@ -74,7 +74,10 @@ _LIBTPU_DISTRIBUTIONS = ("libtpu", "libtpu-nightly")
 _LOCK_ENV = "ALLOW_MULTIPLE_LIBTPU_LOAD"
 # Where the first slice is not yet loaded, `available()` loads this one: the
 # smallest topology (one v5e chip).
-_PROBE_SLICE = "v5e-1"
+# One v5e chip (`tpu_slice("v5e-1")`, spelled out: the seam imports no neutral module).
+_PROBE_SLICE = types.SimpleNamespace(
+    name="v5e-1", topology="v5e:1x1", chip_config="default", chips_per_host_bounds=(1, 1, 1),
+    devices=1, wrap=(False, False, False))
 
 _DEVICES_BY_SLICE: dict[str, tuple] = {}
 # One load at a time: the first one moves file descriptor 2, which is the
@@ -105,7 +108,7 @@ def libtpu_version() -> str | None:
     return None
 
 
-def slice_devices(tpu: TPUSlice | str) -> list:
+def slice_devices(tpu) -> list:
     """The compile-only JAX devices of a TPU slice, loaded once per slice.
 
     XLA:TPU compiles for these devices on a machine without a TPU: build a
@@ -113,14 +116,16 @@ def slice_devices(tpu: TPUSlice | str) -> list:
     can be placed on them).
 
     Args:
-        tpu: The slice: a `TPUSlice` or a name `tpu_slice` accepts (`"v5e-16"`).
+        tpu: The slice, a `keras_tpu_mem.devices.tpu_slices.TPUSlice`
+            (`ktm.tpu_slice("v5e-16")`; the seam's modules do not import the neutral
+            ones, so a name is not taken here).
 
     Returns:
         A new list of `tpu.devices` devices (`len(result) == tpu.devices`), the
         same device objects on every call for the same slice name.
 
     Raises:
-        TypeError: if `tpu` is neither a `TPUSlice` nor a str.
+        TypeError: if `tpu` is not a `TPUSlice`.
         ValueError: if `tpu` is a str `tpu_slice` refuses.
         TPUCompilerUnavailable: if libtpu is not installed or fails to load; the
             message says why and names `TPU_PLAN_INSTALL`.
@@ -135,11 +140,9 @@ def slice_devices(tpu: TPUSlice | str) -> list:
     print(jax.jit(f).lower(x).compile().memory_analysis())  # XLA:TPU's bytes per chip
     ```
     """
-    if isinstance(tpu, str):
-        tpu = tpu_slice(tpu)
-    elif not isinstance(tpu, TPUSlice):
-        raise TypeError(f"`tpu` must be a TPUSlice or a slice name such as 'v5e-16', "
-                        f"got {type(tpu).__name__}.")
+    if not all(hasattr(tpu, a) for a in ("name", "topology", "chip_config", "devices")):
+        raise TypeError(f"`tpu` must be a TPUSlice (ktm.tpu_slice('v5e-16')), got "
+                        f"{type(tpu).__name__}.")
     with _LOAD_LOCK:
         devices = _DEVICES_BY_SLICE.get(tpu.name)
         if devices is None:
@@ -165,7 +168,7 @@ def available() -> bool:
     return True
 
 
-def _load(tpu: TPUSlice) -> list:
+def _load(tpu) -> list:
     """`get_topology_desc` for the slice; failing before libtpu is up: TPUCompilerUnavailable."""
     if libtpu_version() is None and not _library_path_from_user():
         raise TPUCompilerUnavailable(
@@ -199,7 +202,7 @@ def _load(tpu: TPUSlice) -> list:
     return list(devices)
 
 
-def _load_failure(tpu: TPUSlice, err: Exception) -> str:
+def _load_failure(tpu, err: Exception) -> str:
     """Why libtpu did not load: the first line of its error, and what helps."""
     first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
     why = (f"XLA:TPU's compiler (libtpu {libtpu_version() or '?'}) failed to load for TPU "
