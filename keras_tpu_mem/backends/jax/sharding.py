@@ -47,6 +47,10 @@ def move(variable, layout) -> None:
     value to `layout` (so a `fit`'s write-back keeps the sharding).
     """
     keras_compat.set_variable_layout(variable, layout)
+    if not keras_compat.has_value(variable):
+        # Deferred (`ktm.shapes_only()`): the layout is all there is to move; its value
+        # is made in it later (`ktm.materialize`).
+        return
     value = variable.value
     sharding = _sharding(layout)
     if getattr(value, "sharding", None) != sharding:
