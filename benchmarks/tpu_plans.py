@@ -5,6 +5,9 @@ Every model is built with `ktm.shapes_only()` (no weight allocated) and planned 
 time by XLA:TPU through libtpu (`pip install "keras-tpu-mem[tpu-plan]"`); nothing runs.
 Parts (`--parts`, default all):
 
+* `mlp`      the 0.54B MLP (8 x Dense(8192), Adam, global batch 256) planned on v5e-8;
+* `mlp7b`    the 6.71B MLP (100 x Dense(8192)) searched on v5e-16 (run it in a process of
+             its own for its host-RSS figure);
 * `bert`     the README's BERT shapes (Base: 12 layers, width 768; Large: 24 layers,
              width 1024; masked-LM head, Adam, float32) at sequence 128 and 512 on
              v3-8 and v5e-8: XLA:CPU's total at the per-chip batch (one host device)
@@ -51,7 +54,14 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 
 def _rss_gib() -> float:
+    """The process's peak resident memory so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _current_rss_gib() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
 
 
 def _gib(n) -> str:
@@ -233,7 +243,54 @@ def part_sharded(quick: bool) -> list[dict]:
     return rows
 
 
-PARTS = {"bert": part_bert, "decoder": part_decoder, "sharded": part_sharded}
+def part_mlp(quick: bool, big: bool = False) -> list[dict]:
+    """The issue's MLPs: 0.54B (8 x Dense(8192), Adam, global batch 256) planned on v5e-8
+    (`mlp`), and 6.71B (100 x Dense(8192)) searched on v5e-16 (`mlp7b`: sharding,
+    accumulation, bf16, remat, each candidate compiled by XLA:TPU), both built shapes-only.
+    Host RSS growth: the process's peak at the end less its resident memory after Keras
+    and JAX were imported (libtpu's load and every compile included); run each part in
+    its own process for its own peak."""
+    import keras
+
+    import keras_tpu_mem as ktm
+
+    rows = []
+    cases = ([("6.71B MLP", 4 if quick else 100, "v5e-16", True)] if big
+             else [("0.54B MLP", 8, "v5e-8", False)])
+    for label, depth, name, search in cases:
+        rss_before = _current_rss_gib()
+        started = time.perf_counter()
+        with ktm.shapes_only():
+            model = keras.Sequential(
+                [keras.Input((8192,))]
+                + [keras.layers.Dense(8192, activation="relu") for _ in range(depth)]
+                + [keras.layers.Dense(16)])
+            model.compile(optimizer=keras.optimizers.Adam(),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        planned = ktm.plan(model, 256, device=name, search=search, by_layer=False)
+        seconds = time.perf_counter() - started
+        rec = planned.recommendation
+        check = None
+        if search and rec is not None:
+            # The recommendation compiled once more, as fit would run it on the slice.
+            with rec.compiled_under.scope():
+                check = ktm.compiled_memory(model, 256, device=name, hlo_text=False,
+                                            callbacks=rec.callbacks())
+        rows.append(dict(
+            part="mlp", model=label, slice=name, search=search,
+            params=sum(int(__import__("math").prod(v.shape)) for v in model.weights),
+            total=planned.total_bytes, capacity=planned.capacity_bytes, fits=planned.fits,
+            recommendation=None if rec is None else rec.describe(),
+            recommended_total=None if rec is None else rec.total_bytes,
+            check_total=None if check is None else check.total_bytes,
+            candidates=len(planned.candidates), seconds=seconds,
+            rss_growth_gib=_rss_gib() - rss_before, compiler=planned.compiler))
+        print(rows[-1], flush=True)
+    return rows
+
+
+PARTS = {"mlp": part_mlp, "mlp7b": lambda quick: part_mlp(quick, big=True),
+         "bert": part_bert, "decoder": part_decoder, "sharded": part_sharded}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -260,6 +317,20 @@ def markdown(rows: list[dict]) -> str:
                        f"{_gib(r['total'])} GiB | {_gib(r['capacity'])} GiB | {verdict} | "
                        f"{r['seconds']:.0f} | {r['rss_gib']:.2f} GiB |")
         out.append("")
+    mlp = [r for r in rows if r["part"] == "mlp"]
+    if mlp:
+        out += ["| MLP (shapes-only) | slice | parameters | plan | per-chip total (XLA:TPU) | "
+                "recommendation (compiled total) | plan (s) | host RSS growth |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in mlp:
+            rec = "—" if r["recommendation"] is None else (
+                f"{r['recommendation']} ({_gib(r['recommended_total'])} GiB; compiled again: "
+                f"{_gib(r['check_total'])} GiB)")
+            out.append(f"| {r['model']} | {r['slice']} | {r['params'] / 1e9:.2f} B | "
+                       f"{'search' if r['search'] else 'as built'} | {_gib(r['total'])} GiB "
+                       f"of {_gib(r['capacity'])} | {rec} | {r['seconds']:.0f} | "
+                       f"{r['rss_growth_gib']:.2f} GiB |")
+        out.append("")
     sharded = [r for r in rows if r["part"] == "sharded"]
     if sharded:
         out += ["| step (ShardedDataParallel) | slice | per-chip total | temporaries | "
@@ -273,7 +344,8 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="bert,decoder,sharded")
+    parser.add_argument("--parts", default="mlp,bert,decoder,sharded",
+                        help="comma-separated: mlp, mlp7b, bert, decoder, sharded")
     parser.add_argument("--quick", action="store_true",
                         help="small shapes (a smoke run, not the docs' table)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")

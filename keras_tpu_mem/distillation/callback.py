@@ -42,8 +42,12 @@ ops = keras.ops
 
 
 def _backing(variable):
-    """What a Keras variable holds (its backend variable or array): a shared one is one object."""
-    return variable.value if isinstance(variable, keras.Variable) else variable
+    """What a Keras variable holds (its backend variable or array): a shared one is one object.
+    A deferred variable (`ktm.shapes_only()`) holds nothing: itself (reading it would make a
+    new placeholder array each time, whose ids Python reuses)."""
+    if isinstance(variable, keras.Variable) and keras_compat.has_value(variable):
+        return variable.value
+    return variable
 
 
 class Distillation(EngineCallback):

@@ -6,6 +6,7 @@ import math
 import re
 
 from keras_tpu_mem import backends
+from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int
 
 
@@ -44,7 +45,9 @@ def _unique(variables):
     seen, out = set(), []
     for v in variables:
         try:
-            key = id(getattr(v, "value", v))
+            # A deferred variable (`ktm.shapes_only()`) has no value to share: reading
+            # one makes a placeholder array (its initializer's output), new each time.
+            key = id(getattr(v, "value", v)) if keras_compat.has_value(v) else id(v)
         except TypeError:
             # A JAX fit purges the variables' values (the state is its own);
             # its variables are distinct objects, so the variable is the key.
