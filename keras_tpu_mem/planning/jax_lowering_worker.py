@@ -25,14 +25,9 @@ import traceback
 
 
 def _shapes_only():
-    import keras_tpu_mem as ktm
+    from keras_tpu_mem.shapes import shapes_only
 
-    try:
-        return ktm.shapes_only()
-    except AttributeError:  # a package that does not export it yet
-        from keras_tpu_mem.shapes import shapes_only
-
-        return shapes_only()
+    return shapes_only()
 
 
 def _import_modules(modules) -> list:
@@ -220,7 +215,7 @@ def run(in_path: str, out_path: str) -> int:
 
 
 def _plan(payload: dict) -> dict:
-    import keras_tpu_mem as ktm
+    from keras_tpu_mem.planning.planner import plan as plan_fn
 
     failed = _import_modules(payload.get("modules"))
     try:
@@ -229,7 +224,7 @@ def _plan(payload: dict) -> dict:
         return _error("rebuild", err, failed_imports=failed)
     args = dict(payload["args"])
     try:
-        plan = ktm.plan(
+        plan = plan_fn(
             model, args.pop("global_batch_size"), compiler="tpu", callbacks=callbacks,
             x_spec=_decode(payload.get("x_spec")), y_spec=_decode(payload.get("y_spec")),
             sample_batch=_sample_batch(payload.get("sample_batch")), **args)
