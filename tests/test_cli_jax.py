@@ -4,6 +4,8 @@ item 2; the TensorFlow twin is test_cli.py). On JAX every plan compiles the step
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from keras_tpu_mem import cli
@@ -37,7 +39,7 @@ def _split(out):
 def test_plan_by_layer_prints_the_planned_steps_whole_table(factory, capsys):
     spec, build = factory
     assert cli.main(["plan", "--model", spec, "--global-batch", "512", "--device", "v5e-1",
-                     "--by-layer"]) == 0
+                     "--by-layer", "--compiler", "host"]) == 0
     plan_text, lines = _split(capsys.readouterr().out)
     assert plan_text.startswith("Memory plan on v5e-1") and "fits: yes" in plan_text
     assert lines[0].startswith("the planned step, per-replica batch 512")
@@ -61,3 +63,33 @@ def test_plan_search_by_layer_prints_the_recommendations_table(factory, capsys):
     assert lines[0] == planned.by_layer_of + ":"
     assert lines[1] == str(planned.by_layer).splitlines()[0]
     assert len(lines) == 1 + 2 + len(planned.by_layer)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason='needs libtpu: pip install "keras-tpu-mem[tpu-plan]"')
+def test_plan_on_a_slice_builds_shapes_only_and_says_xla_tpu(factory, capsys):
+    spec, build = factory
+    assert cli.main(["plan", "--model", spec, "--batch", "512", "--device", "v5e-8",
+                     "--compiler", "tpu"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("Memory plan on v5e-8 (15.75 GiB per replica)")
+    assert lines[1].startswith("  compiled by XLA:TPU (TPU v5 lite, v5e:2x4, 8 devices")
+    reference = plan(build(), 512, device="v5e-8", compiler="tpu", by_layer=False)
+    assert out.count(devices_format(reference.total_bytes)) >= 1
+
+
+def devices_format(n):
+    from keras_tpu_mem.devices import format_bytes
+
+    return format_bytes(n)
+
+
+def test_plan_help_lists_the_known_slices(capsys):
+    try:
+        cli.main(["plan", "--help"])
+    except SystemExit:  # argparse's exit after printing the help
+        pass
+    out = " ".join(capsys.readouterr().out.split())
+    for name in ("v3-8", "v4-32", "v5e-16", "v6e-256", "--compiler", "--mesh"):
+        assert name in out

@@ -104,18 +104,20 @@ def test_global_batch_under_data_parallel(mlp):
 
 
 def test_plan_takes_the_replicas_from_the_distribution(mlp):
+    """On the host's compiler (XLA:TPU lays the model out on the named slice instead:
+    test_planning_target_jax)."""
     with data_parallel().scope():
         with pytest.raises(ValueError, match=r"'v5e-4'.*4 replica.*8 devices"):
-            plan(mlp, 1024, device="v5e-4")
+            plan(mlp, 1024, device="v5e-4", compiler="host")
         with pytest.raises(ValueError, match="8 devices"):
             plan(mlp, 1024, device="16GiB-2", callbacks=[])
-        matching = plan(mlp, 1024, device="v5e-8")
+        matching = plan(mlp, 1024, device="v5e-8", compiler="host")
         sized = plan(mlp, 1024, device="16000000000B")  # no count: the distribution's
     assert matching.device.replicas == sized.device.replicas == 8
     assert matching.per_replica_batch == sized.per_replica_batch == 128
     assert matching.total_bytes == sized.total_bytes
     # Outside the distribution a count is the device's: one compile of 256 rows.
-    assert plan(mlp, 1024, device="v5e-4").per_replica_batch == 256
+    assert plan(mlp, 1024, device="v5e-4", compiler="host").per_replica_batch == 256
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -246,3 +246,22 @@ class _null:
 
     def __exit__(self, *args):
         return False
+
+
+@needs_libtpu
+def test_batch_size_sweep_on_a_slice_compiles_each_batch_and_stops_where_xla_tpu_refuses():
+    def build():
+        with shapes_only():
+            return _mlp(8192, 4)
+
+    sizes = [1024, 8 * 2**17, 8 * 2**18]
+    result = ktm.batch_size_sweep(build, None, sizes, device="v5e-8", verbose=0)
+    first, refused = result.rows
+    model = build()
+    assert first.peak_bytes == ktm.compiled_memory(model, 1024, device="v5e-8",
+                                                   hlo_text=False).total_bytes
+    assert first.memory_source == "XLA:TPU compile" and first.samples_per_sec is None
+    assert refused.status == "oom" and "RESOURCE_EXHAUSTED" in refused.error
+    assert result.largest_fitting == 1024 and result.skipped == (8 * 2**18,)
+    with pytest.raises(ValueError, match="dataset_fn=None"):
+        ktm.batch_size_sweep(build, lambda b: None, sizes, device="v5e-8")

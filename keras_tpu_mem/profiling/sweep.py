@@ -74,17 +74,10 @@ class _Timer(keras.callbacks.Callback):
         self.t_last_end = now
 
 
-def _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps, sample_batch=None):
+def _check_build_and_sizes(build_fn, batch_sizes):
     if not callable(build_fn):
         raise TypeError("`build_fn` must be a callable returning a compiled keras.Model, got "
                         f"{type(build_fn).__name__}.")
-    if sample_batch is not None:
-        if dataset_fn is not None:
-            raise ValueError("Pass either `dataset_fn` or `sample_batch` (trained on, tiled "
-                             "to each batch size), not both.")
-    elif not callable(dataset_fn):
-        raise TypeError("`dataset_fn` must be a callable batch_size -> tf.data.Dataset, got "
-                        f"{type(dataset_fn).__name__}.")
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence) \
             or not batch_sizes:
         raise TypeError("`batch_sizes` must be a non-empty sequence of positive ints, got "
@@ -92,6 +85,17 @@ def _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps, sample_batch=Non
     for b in batch_sizes:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"`batch_sizes` must hold positive ints, got {b!r}.")
+
+
+def _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps, sample_batch=None):
+    _check_build_and_sizes(build_fn, batch_sizes)
+    if sample_batch is not None:
+        if dataset_fn is not None:
+            raise ValueError("Pass either `dataset_fn` or `sample_batch` (trained on, tiled "
+                             "to each batch size), not both.")
+    elif not callable(dataset_fn):
+        raise TypeError("`dataset_fn` must be a callable batch_size -> tf.data.Dataset, got "
+                        f"{type(dataset_fn).__name__}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"`steps` must be an int >= 2 (the first includes compilation), "
                          f"got {steps!r}.")
@@ -182,6 +186,8 @@ def batch_size_sweep(
     png_path: str | None = None,
     verbose: int = 1,
     sample_batch=None,
+    device=None,
+    compiler: str = "auto",
 ) -> SweepResult:
     """Trains a few steps at each batch size; measures throughput and peak memory.
 
@@ -249,6 +255,9 @@ def batch_size_sweep(
     ```
     """
     profiler = backends.current("batch_size_sweep").profiler
+    if device is not None:
+        return _compiled_sweep(build_fn, dataset_fn, batch_sizes, sample_batch, device,
+                               compiler, png_path)
     _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps, sample_batch)
     if verbose not in (0, 1) or isinstance(verbose, bool):
         raise ValueError(f"`verbose` must be 0 (log lines) or 1 (progress bar), got {verbose!r}.")
@@ -324,6 +333,43 @@ def batch_size_sweep(
         finally:
             del model
             gc.collect()
+    result = SweepResult(tuple(rows), skipped)
+    if png_path is not None:
+        result = dataclasses.replace(result, png_path=result.plot(os.fspath(png_path)))
+    return result
+
+
+def _compiled_sweep(build_fn, dataset_fn, batch_sizes, sample_batch, device, compiler,
+                    png_path) -> SweepResult:
+    """`batch_size_sweep(..., device=...)`: one compile per batch for the device, smallest
+    first, stopping at the first the compiler refuses as too large."""
+    from keras_tpu_mem.planning.compiled import compiled_memory
+
+    if dataset_fn is not None:
+        raise ValueError("batch_size_sweep(device=...) compiles instead of training: pass "
+                         "dataset_fn=None (and sample_batch where the model cannot tell its "
+                         "input shapes).")
+    _check_build_and_sizes(build_fn, batch_sizes)
+    sizes = sorted(set(batch_sizes))
+    model = build_fn()
+    if not isinstance(model, keras.Model) or not getattr(model, "compiled", False):
+        raise TypeError("`build_fn` must return a compiled keras.Model, got "
+                        f"{type(model).__name__}.")
+    rows: list[SweepRow] = []
+    skipped: tuple[int, ...] = ()
+    for i, batch in enumerate(sizes):
+        memory = compiled_memory(model, batch, device=device, compiler=compiler,
+                                 sample_batch=sample_batch, hlo_text=False)
+        source = memory.compiler.split(" (")[0] + " compile"
+        if memory.refused:
+            rows.append(SweepRow(batch, None, None, "oom", memory.refused[:300],
+                                 memory_source=source))
+            skipped = tuple(sizes[i + 1:])
+            break
+        rows.append(SweepRow(batch, None, memory.total_bytes, memory_source=source,
+                             peak_exact=True))
+        logger.info("batch_size_sweep: batch %d: %s per device (%s)", batch,
+                    devices.format_bytes(memory.total_bytes), memory.compiler)
     result = SweepResult(tuple(rows), skipped)
     if png_path is not None:
         result = dataclasses.replace(result, png_path=result.plot(os.fspath(png_path)))
