@@ -125,6 +125,25 @@ def _parse_sizes(text: str) -> dict:
     return sizes
 
 
+_ALLOCATION = re.compile(r"^allocation \d+: size \d+,(?: color (\d+),)?")
+
+
+def _on_chip_buffers(text: str) -> set:
+    """The buffers of allocations in a memory space other than the device's main one
+    (`allocation N: size S, color C, ...` with C != 0: XLA:TPU's VMEM and SMEM)."""
+    buffers, color = set(), 0
+    for line in text.splitlines():
+        head = _ALLOCATION.match(line)
+        if head:
+            color = int(head.group(1) or 0)
+            continue
+        if color:
+            for name, _size in _VALUE.findall(line):
+                base, _, index = name.partition("{")
+                buffers.add(_key(base, "{" + index if index else ""))
+    return buffers
+
+
 # ------------------------------------------------------------- attribution
 class _Attributor:
     """Row and kind (`param`, `forward`, `backward`, `other`) of each instruction."""
@@ -260,6 +279,10 @@ def layer_rows(model, texts: dict, device_shape):
     instructions, computations, shape = _parse_hlo(texts["hlo"])
     sequence, ranges, peak = _parse_live(texts["live"])
     sizes = _parse_sizes(texts["buffers"])
+    # XLA:TPU also assigns on-chip memories (VMEM, SMEM: allocations with a "color");
+    # the compiled total, like the device's capacity, is HBM only.
+    on_chip = _on_chip_buffers(texts["buffers"])
+    peak = {buffer: size for buffer, size in peak.items() if buffer not in on_chip}
     attribute = _Attributor(instructions, computations, shape, names, state_rows)
 
     _state_as_laid_out(rows, state_rows, instructions, shape, sizes)
@@ -275,7 +298,7 @@ def layer_rows(model, texts: dict, device_shape):
         if user is None or not attribute.is_backward(user):
             continue
         row, kind = attribute.buffer(buffer)
-        if kind == "forward":
+        if kind == "forward" and buffer not in on_chip:
             rows[row][_SAVED] += sizes.get(buffer, 0)
     return rows, sum(peak.values())
 
