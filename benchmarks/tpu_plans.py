@@ -226,13 +226,11 @@ def part_sharded(quick: bool) -> list[dict]:
                 + [keras.layers.Dense(16)])
             model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
                 from_logits=True))
-        with distribution.scope():
-            engine = ktm.compiled_memory(model, 256, device=name)
-            # Keras' step on the same layouts: a feature-free compile that asks for the
-            # plain step (the engine's sharded step is what fit runs).
-            from keras_tpu_mem.planning import compiled as compiled_module
+        from keras_tpu_mem.planning.compiled import step_memory
 
-            keras_step = compiled_module.keras_step_memory(model, 256, device=name)
+        with distribution.scope():
+            engine = step_memory(model, 256, step="engine", device=name)
+            keras_step = step_memory(model, 256, step="keras", device=name)
         for label, memory in (("engine shard_map step", engine),
                               ("Keras step, XLA:TPU SPMD", keras_step)):
             rows.append(dict(part="sharded", slice=name, step=label,

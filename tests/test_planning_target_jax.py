@@ -265,3 +265,28 @@ def test_batch_size_sweep_on_a_slice_compiles_each_batch_and_stops_where_xla_tpu
     assert result.largest_fitting == 1024 and result.skipped == (8 * 2**18,)
     with pytest.raises(ValueError, match="dataset_fn=None"):
         ktm.batch_size_sweep(build, lambda b: None, sizes, device="v5e-8")
+
+
+@needs_libtpu
+def test_sharded_state_on_a_tpu_is_left_to_xla_tpus_partitioner():
+    """Without features, state split over the batch axis compiles as Keras' own step on
+    a TPU mesh (XLA:TPU reduce-scatters itself and holds less than the engine's
+    shard_map step), and as the engine's step on host devices (XLA:CPU all-reduces)."""
+    from keras_tpu_mem.backends.jax import trainer_sharded
+    from keras_tpu_mem.planning.compiled import step_memory
+    from keras_tpu_mem.sharding import ShardedDataParallel
+
+    host = ShardedDataParallel(devices=jax.devices()[:8])
+    with host.scope(), shapes_only():
+        model = _mlp(4096, 4)
+    target, _ = target_module.resolve("v5e-8", "tpu", "test")
+    assert trainer_sharded.partitioner_shards_state(
+        target_module.target_distribution(target, host))
+    assert not trainer_sharded.partitioner_shards_state(host)
+    with host.scope():
+        planned = ktm.compiled_memory(model, 256, device="v5e-8", hlo_text=True)
+        spmd = step_memory(model, 256, step="keras", device="v5e-8")
+        engine = step_memory(model, 256, step="engine", device="v5e-8")
+        on_host = ktm.compiled_memory(model, 256, hlo_text=True)
+    assert planned.total_bytes == spmd.total_bytes < engine.total_bytes
+    assert "reduce-scatter" in on_host.hlo_text  # the engine's shard_map step on the host

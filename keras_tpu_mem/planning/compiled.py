@@ -236,7 +236,8 @@ class Compiler:
         return result
 
     def compile_global(self, global_batch: int, features=(),
-                       hlo_text: bool = False, keras_step: bool = False) -> CompiledMemory:
+                       hlo_text: bool = False, keras_step: bool | None = None
+                       ) -> CompiledMemory:
         """The step at the batch one compile takes: one replica's on TensorFlow, the
         global batch over the active `keras.distribution`'s devices on JAX."""
         self.backend.check_context(self.what)
@@ -278,7 +279,7 @@ class Compiler:
         description = (f"the engine's step for {', '.join(type(f).__name__ for f in features)}"
                        if features else "the model's train step")
         refused = getattr(self.backend, "CompileRefused", ())
-        extra = {"keras_step": True} if keras_step else {}
+        extra = {} if keras_step is None else {"keras_step": keras_step}
         try:
             stats = self.backend.compile_step(model, xs, ys, features, compile_context,
                                               hlo_text, description, **extra)
@@ -508,27 +509,30 @@ def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_s
         return compiler.compile_batch(batch_size, features, hlo_text)
 
 
-def keras_step_memory(model, batch_size: int, *, device=None, compiler: str = "auto",
-                      mesh: dict | None = None) -> CompiledMemory:
-    """`compiled_memory` of Keras' own `train_step` (JAX), even where `fit` would run the
-    engine's sharded step (state split over the batch axis): that state's layouts left
-    to XLA's SPMD partitioner, for comparing the two (`benchmarks/tpu_plans.py`).
+def step_memory(model, batch_size: int, *, step: str, device=None, compiler: str = "auto",
+                mesh: dict | None = None) -> CompiledMemory:
+    """`compiled_memory` of a chosen step for state split over the batch axis (JAX):
+    `step="keras"`, Keras' own `train_step` with the layouts left to XLA's SPMD
+    partitioner, or `"engine"`, the engine's `shard_map` step (`fit` runs the first on a
+    TPU mesh, the second elsewhere). For comparing the two (`benchmarks/tpu_plans.py`).
 
     Example:
 
     ```python
     with ktm.ShardedDataParallel().scope():
-        engine = ktm.compiled_memory(model, 256, device="v5e-8")
-        spmd = keras_step_memory(model, 256, device="v5e-8")
+        spmd = step_memory(model, 256, step="keras", device="v5e-8")
+        engine = step_memory(model, 256, step="engine", device="v5e-8")
     ```
     """
     check_positive_int(batch_size, "batch_size")
-    target, note = resolve_target(device, compiler, "keras_step_memory", mesh)
-    compiler = Compiler(model, what="keras_step_memory", target=target)
+    if step not in ("keras", "engine"):
+        raise ValueError(f"`step` must be 'keras' or 'engine', got {step!r}.")
+    target, _ = resolve_target(device, compiler, "step_memory", mesh)
+    compiler = Compiler(model, what="step_memory", target=target)
     with compiler.targeting():
         replicas = compiler.replicas
         if batch_size % replicas:
-            raise ValueError(f"keras_step_memory: `batch_size` {batch_size} does not split "
-                             f"over the {replicas} replicas; use a multiple of {replicas}.")
-        result = compiler.compile_global(batch_size, (), True, keras_step=True)
+            raise ValueError(f"step_memory: `batch_size` {batch_size} does not split over "
+                             f"the {replicas} replicas; use a multiple of {replicas}.")
+        result = compiler.compile_global(batch_size, (), True, keras_step=step == "keras")
         return dataclasses.replace(result, replicas=replicas)

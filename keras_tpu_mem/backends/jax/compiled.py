@@ -30,7 +30,10 @@ import keras
 import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem.backends.jax.trainer_sharded import make_state_layout
+from keras_tpu_mem.backends.jax.trainer_sharded import (
+    make_state_layout,
+    partitioner_shards_state,
+)
 
 UNIT = "device"
 TABLE_SCOPE = "per device"
@@ -254,15 +257,16 @@ def _module_name(compiled) -> str:
 
 
 def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
-                 description: str, dump: bool = False, keras_step: bool = False) -> dict:
+                 description: str, dump: bool = False, keras_step: bool | None = None) -> dict:
     """Lowers and compiles the step for the batch specs and reads `memory_analysis()`.
 
     With `dump`, XLA also writes the optimized module, its buffer assignment and live
     ranges (`_compat.jax.compile_with_dump`), returned as `stats["dump"]` (a dict of
-    their texts, keys `hlo`, `buffers`, `live`) for `compiled_layers`. With
-    `keras_step` (and no features) Keras' own `train_step` is compiled even for state
-    split over the batch axis, left to XLA's SPMD partitioner (`fit` runs the engine's
-    sharded step there)."""
+    their texts, keys `hlo`, `buffers`, `live`) for `compiled_layers`. Without
+    features and with state split over the batch axis, `keras_step` picks the step: None
+    (what `fit` runs: Keras' own on a TPU mesh, the engine's `shard_map` step elsewhere,
+    `partitioner_shards_state`), True (Keras' own, left to XLA's SPMD partitioner) or False
+    (the engine's)."""
     distribution = _distribution()
     state = _state_structs(model, distribution)
     batch = _batch_structs(distribution, xs, ys)
@@ -276,6 +280,10 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
         # State split over the batch axis: the engine's sharded step, as `fit` runs
         # it then even without features (`trainer_sharded`).
         shardings = jax.tree_util.tree_map(lambda s: s.sharding, state)
+        # Without features, a TPU's SPMD partitioner shards Keras' own step (as `fit`
+        # leaves it there: `Step.owns_step`).
+        if keras_step is None:
+            keras_step = not features and partitioner_shards_state()
         sharded = (not keras_step and model.optimizer is not None
                    and make_state_layout(model, shardings))
         step = (backend_step.make_step(jit=False, state_shardings=shardings)

@@ -69,6 +69,7 @@ from keras_tpu_mem.backends.jax.trainer_sharded import (
     ShardMapGradients,
     make_state_layout,
     model_state_layout,
+    partitioner_shards_state,
 )
 from keras_tpu_mem.backends.jax.trainer_shared import leading_dim as _leading_dim
 from keras_tpu_mem.backends.jax.trainer_shared import (
@@ -143,8 +144,10 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
 
     def owns_step(self) -> bool:
         """True when the model's state is split over the batch axis: its `fit` needs
-        the engine's step even without features (`trainer_sharded`)."""
-        return model_state_layout(self.model) is not None
+        the engine's step even without features (`trainer_sharded`), except on a TPU,
+        whose SPMD partitioner shards Keras' own step better
+        (`partitioner_shards_state`)."""
+        return model_state_layout(self.model) is not None and not partitioner_shards_state()
 
     def distribution_key(self):
         # The object itself, compared by identity: the cache key keeps it alive,
