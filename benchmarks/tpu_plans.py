@@ -127,6 +127,8 @@ def _timed(fn):
 
 #: The per-chip batch XLA:CPU and XLA:TPU compile side by side.
 PER_CHIP = 8
+#: `--slices`: the slices the bert and decoder parts plan on (empty: each part's own).
+SLICES: tuple = ()
 
 
 def part_bert(quick: bool) -> list[dict]:
@@ -135,7 +137,7 @@ def part_bert(quick: bool) -> list[dict]:
     rows = []
     sizes = ("base",) if quick else ("base", "large")
     seqs = (128,) if quick else (128, 512)
-    slices = ("v5e-8",) if quick else ("v3-8", "v5e-8")
+    slices = SLICES or (("v5e-8",) if quick else ("v3-8", "v5e-8"))
     for size in sizes:
         for seq in seqs:
             with ktm.shapes_only():
@@ -169,7 +171,7 @@ def part_decoder(quick: bool) -> list[dict]:
 
     rows = []
     blocks = 2 if quick else 28
-    slices = ("v5e-8",) if quick else ("v5e-8", "v5e-16", "v6e-8")
+    slices = SLICES or (("v5e-8",) if quick else ("v5e-8", "v5e-16", "v6e-8"))
     for mode in ("full, ShardedDataParallel", "LoRA 8, bfloat16 backbone"):
         lora = mode.startswith("LoRA")
         for name in slices:
@@ -347,7 +349,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="small shapes (a smoke run, not the docs' table)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--slices", default="",
+                        help="comma-separated slices for the bert and decoder parts")
     args = parser.parse_args(argv)
+    global SLICES
+    SLICES = tuple(x.strip() for x in args.slices.split(",") if x.strip())
     rows = []
     for part in args.parts.split(","):
         rows += PARTS[part.strip()](args.quick)
