@@ -346,16 +346,16 @@ def _is_keras(module) -> bool:
     return not module or module.split(".")[0] in ("keras", "builtins")
 
 
-def _named_classes(value):
+def named_classes(value):
     """Every `{"module", "class_name", "registered_name"}` entry of a Keras config."""
     if isinstance(value, dict):
         if isinstance(value.get("class_name"), str) and "module" in value:
             yield value
         for item in value.values():
-            yield from _named_classes(item)
+            yield from named_classes(item)
     elif isinstance(value, list):
         for item in value:
-            yield from _named_classes(item)
+            yield from named_classes(item)
 
 
 def _resolve(entry):
@@ -394,7 +394,7 @@ def _modules_to_import(configs, classes: set) -> list:
             add(cls.__module__)
         elif not _is_keras(cls.__module__):
             missing.setdefault(cls.__name__, _where_defined(cls))
-    for entry in _named_classes(configs):
+    for entry in named_classes(configs):
         module, name = entry.get("module"), entry["class_name"]
         if name.startswith("__") or _is_keras(module) or name in missing:
             continue

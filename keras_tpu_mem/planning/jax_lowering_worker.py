@@ -78,25 +78,15 @@ def _sample_batch(value):
     return keras.tree.map_structure(_zeros, specs)
 
 
-def _named_classes(value):
-    """Every `{"module", "class_name", ...}` entry of a Keras config."""
-    if isinstance(value, dict):
-        if isinstance(value.get("class_name"), str) and "module" in value:
-            yield value
-        for item in value.values():
-            yield from _named_classes(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _named_classes(item)
-
-
 def custom_objects(configs) -> dict:
     """The configs' classes and functions from modules outside Keras, by the names Keras
     looks them up by (registered name and class name): a class defined at the top level
     of an importable module is found without registration, as `load_model(...,
     custom_objects=...)` finds it."""
+    from keras_tpu_mem.planning.jax_lowering import named_classes
+
     found = {}
-    for entry in _named_classes(configs):
+    for entry in named_classes(configs):
         module, name = entry.get("module") or "", entry["class_name"]
         if not module or module.split(".")[0] in ("keras", "builtins") or name.startswith("__"):
             continue
