@@ -136,14 +136,18 @@ class _CompileProgress:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from keras_tpu_mem import backends
     from keras_tpu_mem.planning.model_factory import load_model_factory
     from keras_tpu_mem.planning.planner import plan
     from keras_tpu_mem.shapes import shapes_only
 
     progress = _CompileProgress()
-    progress.say(f"building the model from {args.model} (shapes only: no weight is "
-                 "allocated) ...")
-    with shapes_only():
+    # Shapes only where the compile takes such a model: JAX, or TensorFlow's plan of the
+    # JAX lowering (`--compiler tpu`); TensorFlow's own compile needs the values.
+    deferred = args.compiler == "tpu" or backends.current("plan").compiled.compiles_deferred()
+    progress.say(f"building the model from {args.model}"
+                 + (" (shapes only: no weight is allocated) ..." if deferred else " ..."))
+    with shapes_only() if deferred else contextlib.nullcontext():
         model = load_model_factory(args.model)()
     planned = plan(model, args.global_batch, device=args.device,
                    accumulation_steps=args.accumulation_steps, precision=args.precision,

@@ -188,3 +188,15 @@ def test_cli_plan_errors_are_messages(tmp_path, capsys):
     assert "device" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "no_colon", "--global-batch", "8"]) == 2
     assert "MODULE:FUNCTION" in capsys.readouterr().err
+
+
+def test_a_shapes_only_model_on_tensorflow_is_refused_naming_the_two_ways():
+    """TensorFlow's compile traces the variables themselves: a model built in
+    `ktm.shapes_only()` plans through its JAX lowering or after `materialize`."""
+    from keras_tpu_mem.shapes import shapes_only
+
+    with shapes_only():
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+        model.compile(optimizer="adam", loss="mse")
+    with pytest.raises(ValueError, match=r"compiler='tpu'.*ktm\.materialize\(model\)"):
+        plan(model, 64, device="16GiB", callbacks=[])

@@ -125,6 +125,12 @@ class Compiler:
         if sample_batch is not None and (x_spec is not None or y_spec is not None):
             raise ValueError(f"{what}: pass either `sample_batch` or `x_spec`/`y_spec`, not "
                              "both: the sample batch's arrays already define the specs.")
+        if not self.backend.compiles_deferred() and is_shapes_only(model):
+            raise ValueError(
+                f"{what}: the model was built in ktm.shapes_only(), and the "
+                f"{backends.current(what).label} backend compiles a step from the variables "
+                "themselves. Plan it with plan(..., device='v5e-8', compiler='tpu') (its JAX "
+                "lowering, compiled by XLA:TPU), or call ktm.materialize(model) first.")
         self.user_model = model
         self.what = what
         self.x_spec, self.y_spec = x_spec, y_spec

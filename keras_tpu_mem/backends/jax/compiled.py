@@ -86,6 +86,12 @@ def _bytes(text: str) -> int:
     return int(float(text.rstrip("KMGT")) * unit)
 
 
+def compiles_deferred() -> bool:
+    """Whether a model built in `ktm.shapes_only()` compiles here: yes (the step is
+    lowered on `jax.ShapeDtypeStruct`s; the variables are only read for their shapes)."""
+    return True
+
+
 def is_out_of_memory(error) -> bool:
     """JAX's runtime error (`JaxRuntimeError`, formerly `XlaRuntimeError`) whose message
     starts with RESOURCE_EXHAUSTED."""

@@ -66,6 +66,13 @@ PULLED_STEP = ("compiles a different step per window position; plan "
 SPEC_NAME = "tf.TensorSpec"
 
 
+
+def compiles_deferred() -> bool:
+    """Whether a model built in `ktm.shapes_only()` compiles here: no (`tf.function`
+    traces the variables themselves, which have no value); plan it with
+    `plan(..., compiler="tpu")` (its JAX lowering) or after `ktm.materialize(model)`."""
+    return False
+
 def make_spec(shape, dtype_name: str):
     """A `tf.TensorSpec` (exposes `.shape` and `.dtype.name`)."""
     return tf.TensorSpec([int(d) for d in shape], tf.as_dtype(dtype_name))
