@@ -20,6 +20,8 @@ and stops at the first that fits.
 
 from __future__ import annotations
 
+import dataclasses
+
 from keras_tpu_mem import backends
 from keras_tpu_mem.planning.budget import (
     ActivationModel,
@@ -88,7 +90,8 @@ class CompiledStep:
         # with none in its temporaries is not a plan (seen on JAX's CPU compile
         # at small batches). Double the batch until it holds some.
         tries = 0
-        while result.temp_bytes == 0 and result.weight_bytes > 0 and tries < 4:
+        host = not result.compiler.startswith("XLA:TPU")  # XLA:TPU's are the verdict
+        while host and result.temp_bytes == 0 and result.weight_bytes > 0 and tries < 4:
             batch *= 2
             tries += 1
             result = compile_fn(batch, self.features, progress)
@@ -220,6 +223,8 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
         candidates, recommendation, recommended = search_levers(
             compile_fn, features, per_replica, usable, data_bytes, cap, user_model, progress,
             search_notes)
+        if recommendation is not None and compiler.target is not None:
+            recommendation = dataclasses.replace(recommendation, target=compiler.target)
     # The by-layer table of the configuration the plan reports, one more compile.
     table, table_of, table_note = None, "", None
     if by_layer:
@@ -246,4 +251,5 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
                     activations=(per_sample, fixed), batches=step.batches,
                     extrapolated=step.extrapolated, recommendation=recommendation,
                     largest=largest, notes=notes, features=names, candidates=candidates,
-                    searched=bool(search), by_layer=table, by_layer_of=table_of)
+                    searched=bool(search), by_layer=table, by_layer_of=table_of,
+                    compiler=ref.compiler, refused=ref.refused)
