@@ -92,7 +92,9 @@ def test_plan_on_tensorflow_is_xla_tpu_of_the_jax_lowering():
     assert plan.fits and plan.refused == ""
     assert isinstance(plan.by_layer, LayerTable)
     assert plan.by_layer.total_bytes == plan.total_bytes
-    assert {"dense", "dense_4"} <= set(plan.by_layer.names())
+    # Rows by the layers' names, which the subprocess rebuilds from the config (Keras
+    # numbers them per process: read them from the model).
+    assert {model.layers[0].name, model.layers[-1].name} <= set(plan.by_layer.names())
     assert "compiled by XLA:TPU via the JAX lowering" in str(plan)
     expected = _total(reference)
     assert abs(plan.total_bytes - expected) <= 0.01 * expected, (plan.total_bytes, expected)
