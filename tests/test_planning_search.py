@@ -78,6 +78,7 @@ def test_search_recommends_callbacks_that_fit_the_budget(small_encoder):
     assert check.total_bytes == rec.total_bytes
     text = str(found)
     assert "search (compiled, cheapest first)" in text and "fits" in text
-    # Cheapest first: every candidate before the recommendation does not fit.
-    assert all(c.total_bytes > budget for c in found.candidates[:-1])
-    assert found.candidates[-1] == rec
+    # Cheapest first: every candidate before the recommendation does not fit (those
+    # after it are the pruning's probes: more micro-batches, more state split).
+    before = found.candidates[:found.candidates.index(rec)]
+    assert all(c.total_bytes > budget for c in before)

@@ -67,9 +67,10 @@ def test_search_recommends_callbacks_that_fit_the_budget(small_encoder):
     assert check.total_bytes <= budget, (check, str(found))
     assert check.total_bytes == rec.total_bytes
     assert plain.total_bytes > budget  # the plain step really does not fit
-    # Cheapest first: every candidate before the recommendation does not fit.
-    assert all(c.total_bytes > budget for c in found.candidates[:-1])
-    assert found.candidates[-1] == rec
+    # Cheapest first: every candidate before the recommendation does not fit (those
+    # after it are the pruning's probes: more micro-batches, more state split).
+    before = found.candidates[:found.candidates.index(rec)]
+    assert all(c.total_bytes > budget for c in before)
 
 
 @pytest.mark.slow

@@ -10,13 +10,18 @@ can be the largest and still not be live at the peak), so the compile decides.
 
 Recompute is measured as the share of the step's saved activations the chosen layers hold
 (a chosen layer recomputes the layers nested in it: theirs count too). Targeted candidates
-are tried in increasing share, all before `Rematerialize()`, which is counted as the whole
-(it recomputes the forward pass of every layer with weights); the search stops at the
-first that fits, so a targeted candidate that fits is preferred to rematerialising
-everything. A targeted candidate whose compile is no smaller than the configuration
-without it, or than a targeted one of less recompute, is not compiled again (not with
-bfloat16, not at more micro-batches or another state split): the compile said it frees
-nothing more, and each candidate is a compile.
+are ordered by increasing share, all before `Rematerialize()`, which is counted as the whole
+(it recomputes the forward pass of every layer with weights); the search recommends the
+first that fits in that order, so a targeted candidate that fits is preferred to
+rematerialising everything.
+
+The search assumes no order of memory between the remat options: recomputing more can need
+more (XLA:CPU's compiles of a small encoder: `Rematerialize()` above the targeted options,
+and in bfloat16 above no recompute at all), so each option is decided by its own compiles
+(`search.search_levers` prunes only along micro-batches and the state split).
+`RematLever.record` is the rule an earlier search used to stop compiling a targeted option
+that freed nothing; the pruned search does not use it, since an option that frees nothing
+at one configuration can free memory at another.
 """
 
 from __future__ import annotations
@@ -155,7 +160,8 @@ class RematLever:
         """Records the compiled total of an option (in the model's own precision) in this
         round of `options`; returns whether it is worth more compiles: False for a
         targeted option no smaller than the option without remat and every targeted one
-        before it (it is then skipped for the rest of the search)."""
+        before it (it is then no longer yielded by `options`). Not used by
+        `plan(search=True)`, whose pruning skips only what a compile has decided."""
         if target is None:
             self._floor = total
             return True

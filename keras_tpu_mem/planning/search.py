@@ -8,21 +8,25 @@ sample. A compile that reports no temporaries at all for a model with
 trainable weights is not trusted (JAX's CPU compile did that at some small
 batches): the batch is doubled until the compile holds temporaries.
 
-The search compiles candidates built from the levers — gradient accumulation
-(divisors of the per-replica batch), the model state split over the
-data-parallel devices (JAX), bfloat16 compute, rematerialisation — cheapest
-first (fewest micro-batches; at equal micro-batches the least communication:
+The search recommends, among candidates built from the levers — gradient
+accumulation (divisors of the per-replica batch), the model state split over the
+data-parallel devices (JAX), bfloat16 compute, rematerialisation — the cheapest
+that fits (fewest micro-batches; at equal micro-batches the least communication:
 replicated, optimizer-sharded, fully sharded; then no recomputation before
 recomputing the largest activation holders alone (`remat_lever`), before
-recomputing every layer; float32 before bfloat16, which changes the numerics),
-and stops at the first that fits.
+recomputing every layer; float32 before bfloat16, which changes the numerics).
+Each candidate is a compile (on XLA:TPU, 30 s to minutes for a large model), so a
+candidate is compiled only where no compile already decides it: one whose state
+alone exceeds the budget, or that a more aggressive candidate (more micro-batches,
+more state split) that did not fit rules out, is skipped (`search_levers`), and
+the plan says how many (`SearchNote`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from keras_tpu_mem import backends
+from keras_tpu_mem import backends, devices
 from keras_tpu_mem.planning.budget import (
     ActivationModel,
     divisors,
@@ -36,6 +40,7 @@ from keras_tpu_mem.planning.sharding_lever import (
     active_distribution,
     compiling_under,
     sharding_options,
+    state_bytes_under,
 )
 from keras_tpu_mem.planning.specs import _spec_bytes, _unique, _variable_bytes
 
@@ -126,75 +131,403 @@ def _divisor_for(features, per_replica: int) -> int:
     return 1
 
 
-def search_levers(compile_fn, base_features, per_replica: int, usable: int, data_bytes: int,
-                  cap: int, model, progress=None, notes=None):
-    """Compiles candidates cheapest first; returns `(candidates, first that fits or None,
-    its reference `CompiledMemory` or None)`.
+class SearchNote(str):
+    """The plan's note on what the search compiled, with its counts as attributes.
 
-    Each candidate is a `Recommendation` with `compiled=True` and its compiled
-    total. Candidates: k in the divisors of `per_replica` (ascending); for each,
-    the state as the active distribution lays it out, then split over its
-    data-parallel devices (optimizer slots, then weights too: JAX,
-    `sharding_lever`); for each, as it is, then (where the backend supports
-    it) the largest activation holders rematerialised alone (`remat_lever`:
-    from `by_layer()` of the first compile, least recompute first; one that
-    freed nothing more is not compiled again), then every layer; each of
-    these in float32, then bfloat16 compute (only when the model computes in
-    float32). `notes` (a list) receives what the plan should say about the
-    search.
+    A `str` (it is one of `MemoryPlan.notes`), so the plan prints it; the counts are for
+    code that reads the plan.
+
+    Attributes:
+        compiled: Candidates the search compiled (`MemoryPlan.candidates`), among them
+            the ones whose compile the Compiler's cache already held (`reused`).
+        reused: Of those, the ones that cost no compile: an earlier compile of the same
+            step and layouts (the plan's own step, most often).
+        exhaustive: Candidates a search without pruning compiles: every candidate up
+            to and including the recommendation, in order (all of them where none fits).
+        ruled_out: Of those, the ones ruled out unseen: `by_bound + by_dominance`.
+        by_bound: Ruled out because the state one device holds under the candidate's
+            layout, with the batch (and the accumulators), already exceeds the budget.
+        by_dominance: Ruled out because a more aggressive candidate (as many or more
+            micro-batches, as much or more state split, the same remat and precision)
+            did not fit.
+
+    Example:
+
+    ```python
+    p = ktm.plan(model, 1024, device="16GiB-8", search=True)
+    note = next(n for n in p.notes if isinstance(n, SearchNote))
+    note.compiled, note.ruled_out      # (21, 45)
+    ```
+    """
+
+    compiled: int
+    reused: int
+    exhaustive: int
+    by_bound: int
+    by_dominance: int
+
+    def __new__(cls, *, compiled: int, reused: int, exhaustive: int, by_bound: int,
+                by_dominance: int):
+        text = (f"search: compiled {compiled} candidates ({reused} of them already compiled: "
+                f"the cache); of the {exhaustive} up to the recommendation in the search's "
+                "order (all, where none fits), "
+                f"ruled out {by_bound + by_dominance} unseen ({by_bound} by the lower bound: "
+                f"the state as laid out and the batch exceed the budget; {by_dominance} "
+                "because a more aggressive candidate, with more micro-batches or more state "
+                "split, did not fit).")
+        note = super().__new__(cls, text)
+        note.compiled, note.reused, note.exhaustive = compiled, reused, exhaustive
+        note.by_bound, note.by_dominance = by_bound, by_dominance
+        return note
+
+    @property
+    def ruled_out(self) -> int:
+        return self.by_bound + self.by_dominance
+
+
+class SearchOutcome:
+    """What `search_levers` found.
+
+    Attributes:
+        candidates: The compiled candidates (`Recommendation`s), cheapest first.
+        recommendation: The cheapest candidate that fits, None where none does.
+        reference: Its reference `CompiledMemory` (None with it).
+        note: The `SearchNote` for the plan's notes.
+        notes: Further notes for the plan (the remat lever's; a contradiction of the
+            pruning rules the compiles showed).
+    """
+
+    def __init__(self, candidates, recommendation, reference, note, notes):
+        self.candidates = tuple(candidates)
+        self.recommendation = recommendation
+        self.reference = reference
+        self.note = note
+        self.notes = list(notes)
+
+
+class _LeverSearch:
+    """The candidates of one search, compiled only where no compile already decides them.
+
+    A candidate is `(ki, mi, ci)`: micro-batches `ks[ki]`, state split `modes[mi]` (least
+    split first), levers `combos[ci]` (a remat option and bfloat16 or not, in the search's
+    order). The order of the search is that of the tuple: fewest micro-batches, then
+    least split, then the combos' order. The rules (see `search_levers`):
+
+    * lower bound: `state(mi) + batch (+ accumulators, k > 1) > usable` rules a
+      candidate out, no compile;
+    * dominance, within one combo: a compiled candidate `(kj, mj, ci)` with `mj >= mi`
+      that does not fit rules out `(ki, mi, ci)` (`_rules_out`): at `kj == ki` always,
+      at `kj > ki` where its total less `_BATCH_COPIES` batches (and less its
+      accumulators, for `ks[ki] == 1`) still exceeds `usable`.
+    """
+
+    def __init__(self, compile_fn, base, per_replica, usable, data_bytes, cap, model,
+                 progress, cached):
+        self.compile_fn, self.base, self.model = compile_fn, base, model
+        self.per_replica, self.usable, self.data_bytes = per_replica, usable, data_bytes
+        self.cap, self.progress = cap, progress
+        self.ks = divisors(per_replica)
+        self.active = active_distribution()
+        self.modes = sharding_options(self.active)
+        self.bf16_options = [False, True] if model_precision(model) == "float32" else [False]
+        # Rematerialisation where the backend has it as a lever (JAX: whole layers); its
+        # targeted options are read from the by-layer table of the candidate
+        # (1, as it is, float32, nothing recomputed) when the first is needed.
+        self.remat = RematLever(model, backends.current("plan").compiled.REMATERIALIZE_LEVER)
+        self._options = self.remat.options(lambda: self.step((0, 0, 0)))
+        self.combos = []
+        self._bounds = {}
+        # {key: (Recommendation, CompiledStep)}; per combo the compiled keys, for the rules.
+        self.results, self._by_combo = {}, {}
+        # `_compile_id`s of the compiles the Compiler's cache answered (filled by compile_fn).
+        self._cached = cached if cached is not None else set()
+        self.reused = 0
+        self._probed = set()  # keys a micro-batch probe was compiled for
+
+    # ------------------------------------------------------------- candidates
+    def combo(self, ci):
+        """`combos[ci]`, reading the remat options as far as needed; None past the end."""
+        while len(self.combos) <= ci:
+            target = next(self._options, _END)
+            if target is _END:
+                return None
+            self.combos.extend((target, bf16) for bf16 in self.bf16_options)
+        return self.combos[ci]
+
+    def lower_bound(self, ki, mi) -> int:
+        if mi not in self._bounds:
+            self._bounds[mi] = state_bytes_under(self.model, self.modes[mi][1], self.active)
+        state, trainable = self._bounds[mi]
+        return state + self.data_bytes + (trainable if self.ks[ki] > 1 else 0)
+
+    def ruled_out(self, key):
+        """Why `key` cannot fit without compiling it: "bound", "dominance" or None."""
+        ki, mi, ci = key
+        if self.lower_bound(ki, mi) > self.usable:
+            return "bound"
+        for kj, mj in self._by_combo.get(ci, ()):
+            if mj >= mi and self._rules_out((kj, mj, ci), ki):
+                return "dominance"
+        return None
+
+    def _rules_out(self, other, ki) -> bool:
+        """Whether the compiled `other` (as much split or more, same combo) rules out the
+        candidate with `ks[ki]` micro-batches."""
+        kj = other[0]
+        rec, step = self.results[other]
+        total = rec.total_bytes
+        if total <= self.usable or kj < ki:
+            return False
+        if kj == ki:
+            # More split only moves state off the device.
+            return True
+        # More micro-batches: smaller micro-batches' activations, but the loop may hold
+        # copies of the batch as split (and cast): up to `_BATCH_COPIES` of its bytes
+        # (XLA:CPU, a small MLP in bfloat16: 8 micro-batches held one batch more than 4).
+        total -= _BATCH_COPIES * self.data_bytes
+        if self.ks[ki] == 1:
+            # One micro-batch holds no accumulators.
+            total -= step.reference.accumulator_bytes
+        return total > self.usable
+
+    def step(self, key):
+        """The `CompiledStep` of `key`, compiled once."""
+        if key not in self.results:
+            self._compile(key)
+        return self.results[key][1]
+
+    def _compile(self, key):
+        ki, mi, ci = key
+        k = self.ks[ki]
+        mode, distribution = self.modes[mi]
+        target, bf16 = self.combo(ci)
+        layers = None if target is None else target.layers
+        features = self.base + lever_callbacks(k, bf16, target is not None, layers)
+        with compiling_under(self.model, distribution, self.active):
+            step = CompiledStep(self.compile_fn, features, self.per_replica, self.cap,
+                                self.progress)
+        # The Compiler caches by the step's features and layouts: a candidate whose
+        # step was compiled before (the plan's own, an earlier plan's) costs nothing.
+        if all(_compile_id(r) in self._cached for r in step.results):
+            self.reused += 1
+        rec = Recommendation(k, self.per_replica // k, int(step.total_bytes(self.data_bytes)),
+                             bf16=bf16, rematerialize=target is not None, compiled=True,
+                             sharding=mode, remat_layers=layers, compiled_under=distribution)
+        self.results[key] = (rec, step)
+        self._by_combo.setdefault(ci, []).append((ki, mi))
+
+    def known(self, key):
+        """True / False where compiled or ruled out, else None."""
+        if key in self.results:
+            return self.results[key][0].total_bytes <= self.usable
+        return False if self.ruled_out(key) else None
+
+    # ----------------------------------------------------------------- search
+    def run(self) -> tuple:
+        """Decides the candidates in order until one fits: each by the rules where they
+        can, else by compiling `probe(key)` (a more aggressive candidate whose failure
+        would rule it out, or it) until they can."""
+        # The first candidate is the plan's own step where the plan was given no lever
+        # (the Compiler's cache holds it), and the remat lever reads its table.
+        self.step((0, 0, 0))
+        answer = None
+        for key in self._order():
+            verdict = self.known(key)
+            while verdict is None:
+                self._compile(self.probe(key))
+                verdict = self.known(key)
+            if verdict:
+                answer = key
+                break
+        return answer, self._counts(answer), self._contradiction()
+
+    def probe(self, key):
+        """The candidate to compile next for an undecided `key` (at most three each).
+
+        1. Once per key, more micro-batches at the most split (the same combo): where it
+           does not fit by the margins of `_rules_out`, it rules out `key` and the
+           combo's candidates in between, at every split. While nothing is known to
+           fit, the next micro-batch count up (it fails the most clearly); once
+           something fits at some k, the largest below it (where nothing is known to
+           fit: it rules out the most). For one micro-batch also a candidate already
+           ruled out: its rule asks for more (the accumulators).
+        2. The next split up at the same micro-batches: one compile for two where it
+           does not fit, and it comes later in the order anyway; not the most split at
+           the fewest micro-batches known to fit (there it fits, likely: no help).
+        3. `key` itself.
+        """
+        ki, mi, ci = key
+        most = len(self.modes) - 1
+        fitting = [j for (j, _, _), (rec, _) in self.results.items()
+                   if rec.total_bytes <= self.usable]
+        fit_k = min(fitting) if fitting else None
+        if key not in self._probed:
+            top = len(self.ks) if fit_k is None else fit_k
+            open_ = [j for j in range(ki + 1, top) if (j, most, ci) not in self.results
+                     and (self.ks[ki] == 1 or self.known((j, most, ci)) is None)]
+            if open_:
+                self._probed.add(key)
+                return (open_[0] if fit_k is None else open_[-1], most, ci)
+        up = (ki, mi + 1, ci)
+        if mi < most and self.known(up) is None and not (ki == fit_k and mi + 1 == most):
+            return up
+        return key
+
+    def _order(self):
+        for ki in range(len(self.ks)):
+            for mi in range(len(self.modes)):
+                ci = 0
+                while self.combo(ci) is not None:
+                    yield (ki, mi, ci)
+                    ci += 1
+
+    def _counts(self, answer) -> SearchNote:
+        exhaustive, reasons = 0, {"bound": 0, "dominance": 0}
+        for key in self._order():
+            exhaustive += 1
+            if key == answer:
+                break
+            if key not in self.results:
+                reasons[self.ruled_out(key)] += 1
+        return SearchNote(compiled=len(self.results), reused=self.reused,
+                          exhaustive=exhaustive, by_bound=reasons["bound"],
+                          by_dominance=reasons["dominance"])
+
+    def _contradiction(self):
+        """A note where two compiles contradict the rules at the budget: a more
+        aggressive candidate rules out one that fits, so one it ruled out unseen might
+        fit too."""
+        for (ki, mi, ci), (rec, _) in self.results.items():
+            if rec.total_bytes > self.usable:
+                continue
+            for kj, mj in self._by_combo[ci]:
+                if mj >= mi and self._rules_out((kj, mj, ci), ki):
+                    other = self.results[(kj, mj, ci)][0]
+                    fb = devices.format_bytes
+                    return (f"search: {rec.describe()} fits ({fb(rec.total_bytes)}) though "
+                            f"{other.describe()} does not ({fb(other.total_bytes)}): for "
+                            "this model more micro-batches or more state split needed more "
+                            "memory than the search allows for, so a candidate it ruled out "
+                            "because a more aggressive one did not fit may fit; "
+                            "plan(..., callbacks=...) compiles one configuration.")
+        return None
+
+
+_END = object()
+
+#: Copies of the batch the micro-batch loop may hold beyond one micro-batch's (the batch
+#: split into micro-batches, and cast to the compute precision).
+_BATCH_COPIES = 2
+
+
+def _compile_id(result):
+    """What identifies one XLA compile among `CompiledMemory`s: the Compiler hands a
+    cached compile back as a copy (`dataclasses.replace` to the batch asked), which
+    shares its `layer_source`, made once per compile; a refused compile has none (the
+    results hold it, so its id stays its own)."""
+    source = result.layer_source
+    if source is not None:
+        return id(source)
+    return (result.refused, result.features, result.micro_batches, result.argument_bytes,
+            result.temp_bytes, result.weight_bytes, result.optimizer_bytes)
+
+
+def _cache_size(compiler):
+    """Entries the Compiler's cache holds for the model; None where it keeps none (a
+    model that cannot be weakly referenced). A compile that leaves it as it was came
+    from it."""
+    from keras_tpu_mem.planning import compiled as compiled_module
+
+    try:
+        cache = compiled_module._CACHE.get(compiler.user_model)
+    except TypeError:
+        return None
+    return None if cache is None else len(cache)
+
+
+def search_levers(compile_fn, base_features, per_replica: int, usable: int, data_bytes: int,
+                  cap: int, model, progress=None, notes=None, cached=None) -> SearchOutcome:
+    """The cheapest candidate that fits, compiling a candidate only where no compile
+    already decides it.
+
+    Candidates, in the order of the answer: k in the divisors of `per_replica`
+    (ascending); for each, the state as the active distribution lays it out, then
+    split over its data-parallel devices (optimizer slots, then weights too: JAX,
+    `sharding_lever`); for each, as it is, then (where the backend supports it) the
+    largest activation holders rematerialised alone (`remat_lever`: from `by_layer()`
+    of the candidate (1, as it is, float32), least recompute first), then every layer;
+    each of these in float32, then bfloat16 compute (only when the model computes in
+    float32). The recommendation is the first in that order that fits, as a search
+    compiling every candidate in turn finds it; a candidate is compiled only when these
+    rules leave it undecided:
+
+    * Lower bound: the weights and optimizer slots one device holds under the
+      candidate's layout, its batch and, with accumulation, one accumulator per
+      trainable weight, are in any compile of it; where they exceed `usable` it is
+      ruled out unseen.
+    * Dominance, at the same remat option and precision: a compile that does not fit
+      rules out the candidates with as many micro-batches and less state split
+      (splitting only moves state off the device), and those with fewer micro-batches
+      and no more split where it exceeds `usable` by more than two copies of the batch
+      (a larger k >= 2 holds the same accumulators and smaller micro-batches'
+      activations, but its loop may hold the batch as split into micro-batches and
+      cast: on XLA:CPU 8 micro-batches of a small MLP in bfloat16 held one batch more
+      than 4) and, for one micro-batch, which holds no accumulators, by more than that
+      and its accumulators.
+    * Nothing is assumed across remat options or precisions: on XLA:CPU bfloat16 and
+      `Rematerialize()` can need more memory than float32 and less recompute (at 4
+      micro-batches, fully split, the encoder of benchmarks/bench_sharding.py takes
+      19.8 MiB in float32, 23.0 MiB in bfloat16, 26.9 MiB with `Rematerialize()` in
+      bfloat16), so each of these combos is decided by its own compiles.
+
+    The candidates are decided in order, each by these rules where they can, else by
+    compiling a probe (`_LeverSearch.probe`): once, more micro-batches at the most split
+    (the next count up; below the fewest known to fit anything, the largest), then the
+    next split up, then the candidate itself. Compiles that contradict the rules at the
+    budget are said in a note.
+
+    Args:
+        cached: A set `compile_fn` adds the `_compile_id` of each result the Compiler's
+            cache answered to (`_cache_size`): a candidate all of whose results are in
+            it is counted as reused. None: none is.
+
+    Returns:
+        A `SearchOutcome`. `notes` (a list) receives what the plan should say about the
+        search but the `SearchNote` (the caller places it).
     """
     base = [f for f in base_features if f.name not in _LEVER_NAMES]
-    bf16_options = [False, True] if model_precision(model) == "float32" else [False]
-    # Rematerialisation where the backend has it as a lever (JAX: whole layers).
-    remat = RematLever(model, backends.current("plan").compiled.REMATERIALIZE_LEVER)
-    active = active_distribution()
-    shardings = sharding_options(active)
-    candidates, first = [], []
+    search = _LeverSearch(compile_fn, base, per_replica, usable, data_bytes, cap, model,
+                          progress, cached)
+    extra = []
     try:
-        for k in divisors(per_replica):
-            for mode, distribution in shardings:
-                # The targeted options are read from the search's very first compile
-                # (one micro-batch, the state as it is, float32 or as built, nothing
-                # recomputed): the ranking of the holders, not their bytes, is used.
-                for target in remat.options(lambda: first[0]):
-                    layers = None if target is None else target.layers
-                    worth = True  # bfloat16 too, unless float32 showed it frees nothing
-                    for bf16 in bf16_options:
-                        if bf16 and not worth:
-                            break
-                        features = base + lever_callbacks(k, bf16, target is not None, layers)
-                        with compiling_under(model, distribution, active):
-                            step = CompiledStep(compile_fn, features, per_replica, cap,
-                                                progress)
-                        if not first:
-                            first.append(step)
-                        total = step.total_bytes(data_bytes)
-                        if not bf16:
-                            worth = remat.record(target, total)
-                        rec = Recommendation(k, per_replica // k, int(total), bf16=bf16,
-                                             rematerialize=target is not None,
-                                             compiled=True, sharding=mode,
-                                             remat_layers=layers, compiled_under=distribution)
-                        candidates.append(rec)
-                        if total <= usable:
-                            return tuple(candidates), rec, step.reference
-        return tuple(candidates), None, None
+        answer, note, contradiction = search.run()
+        if contradiction is not None:
+            extra.append(contradiction)
     finally:
         if notes is not None:
-            notes.extend(remat.notes)
+            notes.extend(search.remat.notes)
+    candidates = [search.results[key][0] for key in sorted(search.results)]
+    if answer is None:
+        return SearchOutcome(candidates, None, None, note, extra)
+    rec, step = search.results[answer]
+    return SearchOutcome(candidates, rec, step.reference, note, extra)
 
 
 def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
                   per_replica: int, headroom: float, search: bool, cap: int, progress=None,
                   notes=(), by_layer: bool = True):
     """A `MemoryPlan` from compiles of the engine's step for `features`."""
-    calls = [0]
+    calls, cached = [0], set()
 
     def compile_fn(batch, feats, progress_fn):
         if progress_fn is not None:
             progress_fn(calls[0], None, batch)
         calls[0] += 1
-        return compiler(batch, feats, False)
+        before = _cache_size(compiler)
+        result = compiler(batch, feats, False)
+        if before is not None and _cache_size(compiler) == before:
+            cached.add(_compile_id(result))
+        return result
 
     user_model = compiler.user_model
     step = CompiledStep(compile_fn, features, per_replica, cap, progress)
@@ -220,9 +553,11 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
                             other) if k == 1 else 0
     candidates, recommendation, recommended, search_notes = (), None, None, []
     if search:
-        candidates, recommendation, recommended = search_levers(
-            compile_fn, features, per_replica, usable, data_bytes, cap, user_model, progress,
-            search_notes)
+        outcome = search_levers(compile_fn, features, per_replica, usable, data_bytes, cap,
+                                user_model, progress, search_notes, cached=cached)
+        candidates, recommendation = outcome.candidates, outcome.recommendation
+        recommended = outcome.reference
+        search_notes += [outcome.note, *outcome.notes]
         if recommendation is not None and compiler.target is not None:
             recommendation = dataclasses.replace(recommendation, target=compiler.target)
     # The by-layer table of the configuration the plan reports, one more compile.

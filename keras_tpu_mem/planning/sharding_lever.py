@@ -80,9 +80,38 @@ def compiling_under(model, distribution, active):
         yield
 
 
+def state_bytes_under(model, distribution, active) -> tuple:
+    """`(state, trainable)`: the bytes of `model`'s weights and optimizer slots, and of
+    its trainable weights, that one device holds when `distribution` lays the state out
+    (`active`: as it is), read from the layouts alone (nothing compiles).
+
+    The search's lower bound: a compiled step's arguments hold the state as laid out,
+    and with accumulation its temporaries hold one accumulator per trainable weight
+    (`CompiledMemory.accumulator_bytes`), so no compile under that layout is smaller.
+
+    Example:
+
+    ```python
+    for mode, distribution in sharding_options(active):
+        state, trainable = state_bytes_under(model, distribution, active)
+    ```
+    """
+    from keras_tpu_mem.planning.compiled import _device_bytes
+
+    backend = backends.current("plan").compiled
+    optimizer = getattr(model, "optimizer", None)
+    with compiling_under(model, distribution, active):
+        # The Compiler counts a compile's weight and optimizer bytes the same way.
+        weights = _device_bytes(model.weights, backend)
+        slots = _device_bytes(optimizer.variables, backend) if optimizer is not None else 0
+        trainable = _device_bytes(model.trainable_weights, backend)
+    return weights + slots, trainable
+
+
 def active_distribution():
     """The `keras.distribution` the plan compiles under (None: none)."""
     return keras.distribution.distribution()
 
 
-__all__ = ["MODES", "active_distribution", "compiling_under", "sharding_options"]
+__all__ = ["MODES", "active_distribution", "compiling_under", "sharding_options",
+           "state_bytes_under"]
