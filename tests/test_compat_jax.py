@@ -234,3 +234,44 @@ def test_initialize_variable_layout_and_set_initialized_value():
     value = jax.device_put(np.ones((8, 4), "float32"), getattr(layout, "backend_layout", layout))
     keras_compat.set_initialized_value(variable, value)
     assert variable.value is value and keras_compat.variable_initializer(variable) is None
+
+
+def test_compile_for_memory_reads_what_a_default_compile_reads():
+    """`_compat.jax.compile_for_memory` switches LLVM's optimisation off on the host: every
+    figure of `memory_analysis()` of a Keras train step (an attention block, Adam) is the
+    default compile's, on CPU; a TPU compile gets no such options."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 32))
+    h = keras.layers.MultiHeadAttention(num_heads=4, key_dim=8)(inputs, inputs)
+    h = keras.layers.LayerNormalization()(inputs + h)
+    h = keras.layers.Dense(64, activation="gelu")(h)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.build((None, 16, 32))
+    model.optimizer.build(model.trainable_variables)
+    state = (model.trainable_variables, model.non_trainable_variables,
+             model.optimizer.variables, model.metrics_variables)
+    state = jax.tree_util.tree_map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state)
+    batch = (jax.ShapeDtypeStruct((8, 16, 32), "float32"), jax.ShapeDtypeStruct((8,), "int32"))
+    lowered = jax.jit(model.train_step, donate_argnums=0).lower(state, batch)
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "temp_size_in_bytes")
+    default = jax_compat.memory_analysis(lowered.compile())
+    host = jax_compat.memory_analysis(jax_compat.compile_for_memory(lowered, "cpu"))
+    for field in fields:
+        assert getattr(host, field) == getattr(default, field), field
+    assert default.temp_size_in_bytes > 0
+    calls = []
+
+    class Lowered:  # what compile_for_memory asks of XLA, per platform
+        def compile(self, options=None):
+            calls.append(options)
+
+    jax_compat.compile_for_memory(Lowered(), "tpu")
+    jax_compat.compile_for_memory(Lowered(), "tpu", {"xla_dump_to": "/x"})
+    jax_compat.compile_for_memory(Lowered(), "cpu")
+    assert calls == [None, {"xla_dump_to": "/x"}, jax_compat._MEMORY_ONLY_HOST_OPTIONS]

@@ -342,7 +342,12 @@ class _LeverSearch:
         return answer, self._counts(answer), self._contradiction()
 
     def probe(self, key):
-        """The candidate to compile next for an undecided `key` (at most three each).
+        """The candidate to compile next for an undecided `key`.
+
+        A probe is a more aggressive candidate whose failure would rule `key` out; one
+        that the compiles so far predict to fit (`predicts_fit`) would likely decide
+        nothing, so it is passed over, and where `key` itself is predicted to fit, `key`
+        is compiled. Else, in turn:
 
         1. Once per key, more micro-batches at the most split (the same combo): where it
            does not fit by the margins of `_rules_out`, it rules out `key` and the
@@ -351,27 +356,56 @@ class _LeverSearch:
            something fits at some k, the largest below it (where nothing is known to
            fit: it rules out the most). For one micro-batch also a candidate already
            ruled out: its rule asks for more (the accumulators).
-        2. The next split up at the same micro-batches: one compile for two where it
-           does not fit, and it comes later in the order anyway; not the most split at
-           the fewest micro-batches known to fit (there it fits, likely: no help).
+        2. The most split at the same micro-batches: where it does not fit, it rules out
+           `key` and every split in between at once; not at the fewest micro-batches
+           known to fit (there it fits, likely: no help).
         3. `key` itself.
         """
         ki, mi, ci = key
+        if self.predicts_fit(key):
+            return key
         most = len(self.modes) - 1
         fitting = [j for (j, _, _), (rec, _) in self.results.items()
                    if rec.total_bytes <= self.usable]
         fit_k = min(fitting) if fitting else None
         if key not in self._probed:
+            self._probed.add(key)
             top = len(self.ks) if fit_k is None else fit_k
             open_ = [j for j in range(ki + 1, top) if (j, most, ci) not in self.results
                      and (self.ks[ki] == 1 or self.known((j, most, ci)) is None)]
             if open_:
-                self._probed.add(key)
-                return (open_[0] if fit_k is None else open_[-1], most, ci)
-        up = (ki, mi + 1, ci)
-        if mi < most and self.known(up) is None and not (ki == fit_k and mi + 1 == most):
+                more = (open_[0] if fit_k is None else open_[-1], most, ci)
+                if not self.predicts_fit(more):
+                    return more
+        up = (ki, most, ci)
+        if (mi < most and self.known(up) is None and ki != fit_k
+                and not self.predicts_fit(up)):
             return up
         return key
+
+    def predicts_fit(self, key) -> bool:
+        """Whether the compiles so far put `key` within the budget. Only which compile
+        comes next depends on it; verdicts come from compiles and the rules.
+
+        Two estimates, either suffices: the change of combo taken as additive (a compile
+        at `key`'s micro-batches and split with another combo, plus what `key`'s combo
+        did against that one where both were compiled), and the micro-batches taken as
+        dividing what a compile of the same split and combo holds beyond its lower bound
+        (`lower_bound`: state, batch, accumulators)."""
+        ki, mi, ci = key
+        totals = {k: rec.total_bytes for k, (rec, _) in self.results.items()}
+        for (kj, mj, cj), total in totals.items():
+            if (mj, cj) == (mi, ci) and kj != ki:
+                rest = (total - self.lower_bound(kj, mi)) * self.ks[kj] / self.ks[ki]
+                if self.lower_bound(ki, mi) + rest <= self.usable:
+                    return True
+            if (kj, mj) != (ki, mi) or cj == ci:
+                continue
+            for (kk, mk, ck), theirs in totals.items():
+                ours = totals.get((kk, mk, ci)) if ck == cj else None
+                if ours is not None and total + ours - theirs <= self.usable:
+                    return True
+        return False
 
     def _order(self):
         for ki in range(len(self.ks)):

@@ -300,11 +300,13 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
             outputs = len(jax.eval_shape(step, state, batch))
             out_shardings += (None,) * (outputs - len(out_shardings))
         jitted = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+        platform, devices = platform_and_devices(distribution)
         try:
             if dump:
-                compiled, texts = _compile_dumped(jitted.lower(state, batch))
+                compiled, texts = _compile_dumped(jitted.lower(state, batch), platform)
             else:
-                compiled, texts = jitted.lower(state, batch).compile(), None
+                compiled = jax_compat.compile_for_memory(jitted.lower(state, batch), platform)
+                texts = None
         except Exception as err:
             first = str(err).splitlines()[0] if str(err) else ""
             if is_out_of_memory(err):
@@ -312,7 +314,6 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
             raise RuntimeError(f"XLA could not compile {description} on JAX "
                                f"({type(err).__name__}: {first}).") from err
     stats = jax_compat.memory_analysis(compiled)
-    platform, devices = platform_and_devices(distribution)
     return dict(
         argument=int(stats.argument_size_in_bytes),
         temp=int(stats.temp_size_in_bytes),
@@ -334,10 +335,10 @@ _DUMPED = {"hlo": "after_optimizations.txt",
            "live": "after_optimizations-live-range.txt"}
 
 
-def _compile_dumped(lowered):
+def _compile_dumped(lowered, platform):
     """Compiles with XLA's dump in a scratch folder and reads the three files back."""
     with tempfile.TemporaryDirectory(prefix="ktm-xla-dump-") as directory:
-        compiled = jax_compat.compile_with_dump(lowered, directory)
+        compiled = jax_compat.compile_with_dump(lowered, directory, platform)
         names = os.listdir(directory)
         texts = {}
         for key, suffix in _DUMPED.items():
