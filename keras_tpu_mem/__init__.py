@@ -45,6 +45,7 @@ _EXPORTS = {
     "compiled_memory": "planning",
     "plan": "planning",
     "Recommendation": "planning",
+    "SearchNote": "planning",
     "StepOutOfMemoryError": "planning",
     "Rematerialize": "remat",
     "MixedBFloat16": "precision",

@@ -35,7 +35,9 @@ def _sequence_mlp():
 
 
 def _search_note(planned) -> SearchNote:
-    return next(n for n in planned.notes if isinstance(n, SearchNote))
+    note = planned.search
+    assert isinstance(note, SearchNote) and note in planned.notes
+    return note
 
 
 def _all_candidates(model, active):

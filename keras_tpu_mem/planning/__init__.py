@@ -24,6 +24,7 @@ from keras_tpu_mem.planning.memory import CompiledMemory
 from keras_tpu_mem.planning.memory_plan import MemoryPlan, Recommendation
 from keras_tpu_mem.planning.oom import StepOutOfMemoryError, set_oom_device
 from keras_tpu_mem.planning.planner import plan
+from keras_tpu_mem.planning.search import SearchNote
 
 __all__ = [
     "CompiledMemory",
@@ -32,6 +33,7 @@ __all__ = [
     "LayerTable",
     "MemoryPlan",
     "Recommendation",
+    "SearchNote",
     "StepOutOfMemoryError",
     "compiled_memory",
     "plan",

@@ -185,6 +185,15 @@ class MemoryPlan:
     refused: str = ""
 
     @property
+    def search(self):
+        """What `search=True` compiled: the `ktm.SearchNote` among `notes` (a `str` with
+        counts: `compiled`, `reused`, `exhaustive`, `by_bound`, `by_dominance`,
+        `ruled_out`); None for a plan that searched no compiles."""
+        from keras_tpu_mem.planning.search import SearchNote
+
+        return next((n for n in self.notes if isinstance(n, SearchNote)), None)
+
+    @property
     def capacity_bytes(self) -> int:
         return self.device.capacity_bytes
 
