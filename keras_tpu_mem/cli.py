@@ -149,7 +149,11 @@ def _plan(args: argparse.Namespace) -> int:
                  + (" (shapes only: no weight is allocated) ..." if deferred else " ..."))
     with shapes_only() if deferred else contextlib.nullcontext():
         model = load_model_factory(args.model)()
-    planned = plan(model, args.global_batch, device=args.device,
+    sample_batch = None
+    if args.sample_batch is not None:
+        progress.say(f"reading one batch from {args.sample_batch} ...")
+        sample_batch = load_model_factory(args.sample_batch, "--sample-batch")()
+    planned = plan(model, args.global_batch, device=args.device, sample_batch=sample_batch,
                    accumulation_steps=args.accumulation_steps, precision=args.precision,
                    headroom=args.headroom, compile_batches=args.compile_batches,
                    search=args.search, progress=progress, compiler=args.compiler,
@@ -237,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--mesh", type=_mesh_spec, default=None,
                       help="axis sizes of the slice's mesh, e.g. batch=4,model=4 "
                            "(default: the batch axis over every device)")
+    plan.add_argument("--sample-batch", type=_model_spec, default=None,
+                      help="MODULE:FUNCTION (or path/file.py:FUNCTION) returning one batch "
+                           "as fit takes it, (x, y), of any size: its shapes past the batch "
+                           "axis and dtypes define the step's inputs (models with unknown "
+                           "sequence lengths)")
     plan.add_argument("--accumulation-steps", type=int, default=None,
                       help="micro-batches per replica step")
     plan.add_argument("--precision", default=None,

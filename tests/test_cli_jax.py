@@ -93,3 +93,45 @@ def test_plan_help_lists_the_known_slices(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for name in ("v3-8", "v4-32", "v5e-16", "v6e-256", "--compiler", "--mesh"):
         assert name in out
+
+
+_SEQUENCE_FACTORY = (
+    "import keras\n"
+    "import numpy as np\n\n"
+    "def build():\n"
+    "    tokens = keras.Input((None,), dtype='int32')\n"
+    "    h = keras.layers.Embedding(500, 64)(tokens)\n"
+    "    h = keras.layers.Dense(128, activation='relu')(h)\n"
+    "    outputs = keras.layers.Dense(4)(keras.layers.GlobalAveragePooling1D()(h))\n"
+    "    model = keras.Model(tokens, outputs)\n"
+    "    model.compile(optimizer='adam',\n"
+    "                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n"
+    "    return model\n\n"
+    "def batch():\n"
+    "    return np.zeros((2, 96), 'int32'), np.zeros((2,), 'int32')\n")
+
+
+def test_plan_sample_batch_defines_a_sequence_models_inputs(tmp_path, capsys):
+    """`--sample-batch MODULE:FUNCTION`: the step is compiled at the batch's sequence length,
+    as `plan(..., sample_batch=...)` compiles it; without it, a model of unknown sequence
+    length is an error naming `sample_batch`."""
+    path = tmp_path / "sequence.py"
+    path.write_text(_SEQUENCE_FACTORY)
+    namespace = {}
+    exec(_SEQUENCE_FACTORY, namespace)
+    argv = ["plan", "--model", f"{path}:build", "--batch", "64", "--device", "1GiB",
+            "--compiler", "host"]
+    assert cli.main(argv + ["--sample-batch", f"{path}:batch"]) == 0
+    out = capsys.readouterr().out
+    reference = plan(namespace["build"](), 64, device="1GiB", compiler="host",
+                     sample_batch=namespace["batch"](), by_layer=False)
+    shorter = plan(namespace["build"](), 64, device="1GiB", compiler="host", by_layer=False,
+                   sample_batch=(namespace["batch"]()[0][:, :32], namespace["batch"]()[1]))
+    assert reference.activation_bytes > shorter.activation_bytes
+    assert devices_format(reference.total_bytes) in out, out
+    assert devices_format(shorter.total_bytes) not in out
+    assert cli.main(argv + ["--sample-batch", f"{path}:nothing"]) != 0
+    assert "--sample-batch: " in capsys.readouterr().err
+    # Without it the sequence length is unknown: the error names the way out.
+    assert cli.main(argv) != 0
+    assert "sample_batch" in capsys.readouterr().err
