@@ -5,8 +5,6 @@ JAX, distributions and layouts: tests/test_shapes_jax.py.
 
 from __future__ import annotations
 
-import time
-
 import keras
 import numpy as np
 import psutil
@@ -242,17 +240,16 @@ def test_a_1_5b_parameter_mlp_builds_in_little_host_memory():
     with shapes.shapes_only():  # warm-up: what the first Keras build costs on its own
         _compiled()
     width, depth = 8192, 22
-    before, start = _rss(), time.perf_counter()
+    before = _rss()
     with shapes.shapes_only():
         model = keras.Sequential([keras.Input((width,))]
                                  + [keras.layers.Dense(width) for _ in range(depth)]
                                  + [keras.layers.Dense(16)])
         model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
         model.optimizer.build(model.trainable_variables)
-    seconds, grown = time.perf_counter() - start, _rss() - before
+    grown = _rss() - before
     assert model.count_params() > 1.47e9  # 5.9 GB of float32 weights, 18 GB with Adam's slots
     assert grown < 300 * MiB, f"RSS grew {grown / MiB:.0f} MiB"
-    assert seconds < 30, f"took {seconds:.1f} s"
 
 
 def test_a_keras_hub_backbone_builds_deferred():
