@@ -6,8 +6,6 @@ TensorFlow: tests/test_shapes.py.
 
 from __future__ import annotations
 
-import time
-
 import jax
 import keras
 import numpy as np
@@ -202,14 +200,13 @@ def test_a_1_5b_parameter_mlp_builds_in_little_host_memory():
     with shapes.shapes_only():  # warm-up: starting JAX's runtime is not the model's cost
         _compiled()
     width, depth = 8192, 22
-    before, start = _rss(), time.perf_counter()
+    before = _rss()
     with shapes.shapes_only():
         model = keras.Sequential([keras.Input((width,))]
                                  + [keras.layers.Dense(width) for _ in range(depth)]
                                  + [keras.layers.Dense(16)])
         model.compile(optimizer=keras.optimizers.Adam(), loss="mse")
         model.optimizer.build(model.trainable_variables)
-    seconds, grown = time.perf_counter() - start, _rss() - before
+    grown = _rss() - before
     assert model.count_params() > 1.47e9
     assert grown < 300 * MiB, f"RSS grew {grown / MiB:.0f} MiB"
-    assert seconds < 30, f"took {seconds:.1f} s"
