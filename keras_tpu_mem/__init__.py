@@ -88,7 +88,9 @@ __all__ = sorted(_EXPORTS)
 #: out-of-memory explainer, which registers itself with the engine
 #: (`engine.register_error_explainer`): the engine never imports the planner, so
 #: that a failed step's `StepOutOfMemoryError` (the compiled breakdown and the
-#: smallest change that fits) needs no import cycle.
+#: smallest change that fits) needs no import cycle. The engine also loads it
+#: by name when a step fails (`engine.core._EXPLAINER_MODULES`), for features
+#: imported from their own modules rather than through this facade.
 _TRAINS = frozenset({"accumulation", "distillation", "engine", "monitoring", "precision",
                      "profiling", "pruning", "remat", "sharding", "strategy"})
 

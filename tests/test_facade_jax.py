@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import keras_tpu_mem as ktm
 
 #: The flat API as it stood before the seam (issue 20): none may disappear.
@@ -51,3 +53,49 @@ def test_loading_a_feature_registers_the_out_of_memory_explainer():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["0", "1", "True"]
+
+
+#: A fit whose step raises XLA's RESOURCE_EXHAUSTED, in a fresh process that imports its
+#: feature module directly (`{import_line}`), never through the package facade.
+_OOM_WITHOUT_THE_FACADE = """
+import os, sys
+os.environ["KERAS_BACKEND"] = "jax"
+{import_line}
+import jax, keras, numpy as np
+from keras_tpu_mem.engine import EngineCallback
+
+assert "keras_tpu_mem.planning.oom" not in sys.modules
+
+class InjectedOOM(EngineCallback):
+    name = "injected_oom"
+    armed = True
+
+    def transform_loss(self, loss, ctx):
+        if InjectedOOM.armed:
+            InjectedOOM.armed = False  # the explanation's own compile traces it again
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB.")
+        return loss
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+model.compile("sgd", "mse")
+try:
+    model.fit(np.zeros((16, 8), "float32"), np.zeros((16, 4), "float32"), batch_size=16,
+              epochs=1, verbose=0, callbacks=[InjectedOOM()])
+except Exception as err:
+    print("RAISED", type(err).__name__)
+"""
+
+
+@pytest.mark.parametrize("import_line", [
+    "from keras_tpu_mem.sharding import ShardedDataParallel",
+    "from keras_tpu_mem.accumulation import GradientAccumulation",
+])
+def test_out_of_memory_is_explained_whichever_way_the_features_are_imported(import_line):
+    # A fresh process: the suite may have imported the planner already.
+    code = _OOM_WITHOUT_THE_FACADE.format(import_line=import_line)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "RAISED StepOutOfMemoryError" in done.stdout, (done.stdout, done.stderr[-2000:])

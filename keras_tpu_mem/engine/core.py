@@ -19,6 +19,7 @@ reads the global batch size) ask the engine with `observe_first_batch`.
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import keras
@@ -33,6 +34,14 @@ _ = _compat  # the package docstring says where internals live
 #: Called in turn after the features' own `explain_error` found nothing (see
 #: `register_error_explainer`).
 _ERROR_EXPLAINERS: list[Callable] = []
+
+#: Modules whose import registers an explainer: the planner's out-of-memory
+#: explanation (`planning/oom.py`). The engine loads them by name when a fit's
+#: step fails, not at import: the planner imports the engine (no cycle), and
+#: features imported from their own modules (`from keras_tpu_mem.sharding import
+#: ShardedDataParallel`), never through the package facade, still get the
+#: explanation.
+_EXPLAINER_MODULES = ("keras_tpu_mem.planning.oom",)
 
 
 def register_error_explainer(fn: Callable) -> None:
@@ -330,6 +339,7 @@ class Engine:
                 return clearer
         if not features:
             return None
+        _load_explainers()
         for explainer in list(_ERROR_EXPLAINERS):
             clearer = explainer(self.model, features, self.last_global_batch_size, error)
             if clearer is not None:
@@ -360,6 +370,15 @@ class Engine:
             return None
         # The last call of an epoch runs the remainder (9 steps, N=4: 4, 4, 1).
         return max(1, min(spe, total - begin))
+
+
+def _load_explainers() -> None:
+    """Imports `_EXPLAINER_MODULES` (each registers itself; a second import is free)."""
+    for name in _EXPLAINER_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # the step's own error is the one to raise
+            logger.warning("could not load the error explanation %s: %s", name, err)
 
 
 def _is_end_of_data(error: Exception) -> bool:

@@ -195,6 +195,7 @@ def explain_if_out_of_memory(model, features, global_batch_size, error):
 
 
 # The engine asks its registered explainers after the features' own; the package
-# facade loads this module with any training feature, so a failed fit's
+# facade loads this module with any training feature, and the engine loads it by
+# name when a step fails (`engine.core._EXPLAINER_MODULES`), so a failed fit's
 # RESOURCE_EXHAUSTED is explained without the engine importing the planner.
 engine.register_error_explainer(explain_if_out_of_memory)
