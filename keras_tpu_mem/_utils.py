@@ -5,17 +5,35 @@ from __future__ import annotations
 import logging
 import sys
 
+
+class _UnconfiguredHandler(logging.StreamHandler):
+    """Prints the package's lines on stderr only while the application has
+    configured no logging of its own (the root logger has no handler).
+
+    Users run this in notebooks where the root logger prints nothing below
+    WARNING; our one-line notices (what the strategy picked, what a callback
+    changed) are meant to be seen. Records still propagate: once the user
+    configures logging (`logging.basicConfig`, a handler on the root logger),
+    their handlers get every line and this one stays quiet, so that no line is
+    printed twice. Silence the notices with
+    logging.getLogger("keras_tpu_mem").setLevel(logging.WARNING).
+    """
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+        self.setFormatter(logging.Formatter("keras_tpu_mem: %(message)s"))
+
+    def emit(self, record):
+        if logging.getLogger().handlers:
+            return
+        super().emit(record)
+
+
 logger = logging.getLogger("keras_tpu_mem")
 if not logger.handlers:
-    # Users run this in notebooks where the root logger prints nothing below
-    # WARNING; our one-line notices (what the strategy picked, what a callback
-    # changed) are meant to be seen. Silence them with
-    # logging.getLogger("keras_tpu_mem").setLevel(logging.WARNING).
-    _handler = logging.StreamHandler(sys.stderr)
-    _handler.setFormatter(logging.Formatter("keras_tpu_mem: %(message)s"))
-    logger.addHandler(_handler)
+    logger.addHandler(_UnconfiguredHandler())
+    # INFO, not the root's WARNING: the notices are the package's output.
     logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 
 def check_positive_int(value, name: str) -> int:
