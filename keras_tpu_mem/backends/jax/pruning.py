@@ -55,8 +55,24 @@ def new_mask(model, variable):
 
 
 def derive_mask(mask, variable, from_zeros: bool) -> None:
-    bits = (np.asarray(variable.value) != 0) if from_zeros else True
-    jax_compat.set_variable_value(mask, _like(variable, bits))
+    if not from_zeros:
+        jax_compat.set_variable_value(mask, _like(variable, True))
+        return
+    # On the device array, never gathered to the host: under sharded state in a
+    # multi-process run (a resume under ShardedDataParallel) a process holds only
+    # its own shards, and reading the whole value there fails. The comparison is
+    # elementwise: the mask comes out laid out as the kernel (its sharding, or
+    # uncommitted like Keras' own state without a distribution).
+    current = variable.value
+    if keras.distribution.distribution() is None:
+        bits = jax.numpy.not_equal(current, 0)
+    else:
+        bits = jax.jit(_nonzero, out_shardings=current.sharding)(current)
+    jax_compat.set_variable_value(mask, bits)
+
+
+def _nonzero(value):
+    return jax.numpy.not_equal(value, 0)
 
 
 def step_count(optimizer):
