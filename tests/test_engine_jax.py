@@ -181,6 +181,45 @@ def test_observing_the_first_batch_consumes_no_batch(features):
     assert max_abs_diff(reference.get_weights(), model.get_weights()) == 0.0
 
 
+def test_no_batch_is_lost_when_reading_the_first_batch_size_fails(monkeypatch):
+    # The size is read after the first batch is taken from fit's iterator: when
+    # reading it raises, the batch still reaches the step (the size is unknown).
+    # Keras' own step (no feature): the engine's reads batch dimensions too.
+    from keras_tpu_mem.backends.jax import trainer
+
+    def unreadable(structure):
+        raise RuntimeError("cannot read the batch dimension")
+
+    monkeypatch.setattr(trainer, "_leading_dim", unreadable)
+    x, y = toy_data()
+    observer = _Observe()
+    model = _compiled(mlp())
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[observer])
+    assert observer.sizes == [None]
+    assert int(model.optimizer.iterations) == 5
+
+
+class _FirstBatchFails(keras.utils.PyDataset):
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        if index == 0:
+            raise ValueError("batch 0 cannot be read")
+        x, y = toy_data(32)
+        return x, y
+
+
+def test_an_error_of_the_first_batch_is_raised_not_swallowed_by_the_observer():
+    # The observer's peek takes the first batch: an error of the data itself must
+    # come out of fit as it would without the observer, with no step run.
+    model = _compiled(mlp())
+    with pytest.raises(ValueError, match="batch 0 cannot be read"):
+        model.fit(_FirstBatchFails(), epochs=1, shuffle=False, verbose=0,
+                  callbacks=[_Observe()])
+    assert int(model.optimizer.iterations) == 0
+
+
 def test_last_call_of_an_epoch_runs_the_remainder():
     # steps_per_epoch=9 with steps_per_execution=4 on endless data: 4 + 4 + 1
     # updates per epoch (Keras' own JAX loop would run 12).

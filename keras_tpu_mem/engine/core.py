@@ -111,15 +111,16 @@ class _FirstCallObserver:
         observers, self.engine._observers = self.engine._observers, []
         size = None
         step = self.engine.backend_step
-        try:
+        if hasattr(step, "peek_first_call"):
             # On JAX the call's data is an iterator: reading the first batch
-            # consumes it, so the step hands back args that yield it again.
-            if hasattr(step, "peek_first_call"):
-                size, args = step.peek_first_call(args)
-            else:
+            # consumes it, so the step hands back args that yield it again. It
+            # never raises: a batch taken and then dropped here would be lost.
+            size, args = step.peek_first_call(args)
+        else:
+            try:
                 size = step.global_batch_size_of_call(args)
-        except Exception as err:  # the observation must never break training
-            logger.debug("could not read the batch size of the first step: %s", err)
+            except Exception as err:  # the observation must never break training
+                logger.debug("could not read the batch size of the first step: %s", err)
         for fn in observers:
             try:
                 fn(size)

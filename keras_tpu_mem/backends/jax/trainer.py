@@ -59,6 +59,7 @@ import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem._utils import logger
 from keras_tpu_mem.backends.jax.feature_state import (
     carrying_step,
     check_quiet,
@@ -115,6 +116,12 @@ def update_variable(variable, fn, *args):
     return fn(variable, *args)
 
 
+def _raising(error: Exception):
+    """An iterator whose first `next()` raises `error` (the data's own, taken by a peek)."""
+    raise error
+    yield  # a generator: the error comes at the first `next()`, not at the call
+
+
 class Step(PulledMicroBatchSteps, ShardMapGradients):
     """Builds the JAX train function for an `Engine` (keras.distribution).
 
@@ -167,13 +174,28 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
         """Returns `(global_batch_size, args)` for a call `(state, iterator)`.
 
         Takes the first batch from the iterator and returns args whose iterator
-        yields it again first, followed by the rest of the original iterator.
+        yields it again first, followed by the rest of the original iterator. It
+        never raises and never loses a batch: once the batch is taken it goes
+        back in front whatever reading its size does (a size that cannot be read
+        is None, with a warning), and an error of the data itself comes out of
+        the step's own first `next()`, as it would without the peek (the end of
+        the data too: nothing was taken).
         """
-        state, iterator = args[0], args[1]
-        first = next(iterator)
-        steps = jax_compat.super_batch_steps(self.model, first)
-        size = _leading_dim(steps[0] if steps else first)
-        return size, (state, itertools.chain([first], iterator), *args[2:])
+        state, iterator, rest = args[0], args[1], args[2:]
+        try:
+            first = next(iterator)
+        except StopIteration:
+            return None, args
+        except Exception as err:
+            return None, (state, _raising(err), *rest)
+        try:
+            steps = jax_compat.super_batch_steps(self.model, first)
+            size = _leading_dim(steps[0] if steps else first)
+        except Exception as err:
+            logger.warning("Could not read the global batch size of the first step (it "
+                           "is reported as unknown): %s", err)
+            size = None
+        return size, (state, itertools.chain([first], iterator), *rest)
 
     # --------------------------------------------------------- loss and grads
     def _loss(self, features, trainable, non_trainable, metrics_vars, optimizer_vars, x, y,
