@@ -187,13 +187,37 @@ def partitioner_shards_state(distribution=None) -> bool:
 def model_state_layout(model):
     """The `StateLayout` of the model's current variable values (None when unsharded).
 
-    Call it before `fit` purges the values (from `make_train_function`)."""
-    if keras.distribution.distribution() is None or model.optimizer is None:
+    None without a `keras.distribution`, without an optimizer (an uncompiled
+    model), or where no state is split over the distribution's batch axis.
+    Anything else that keeps the shardings from being read raises: answering
+    None there would run the unsharded step on sharded state, with nothing said.
+    Call it before `fit` purges the values (from `make_train_function`).
+
+    Raises:
+        RuntimeError: A variable has no value (`fit` took them out for its loop).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if keras.distribution.distribution() is None or optimizer is None:
         return None
     try:
         shardings = jax_compat.state_sharding_spec(model)
-    except Exception:  # unbuilt optimizer or purged values: nothing to read
-        return None
+    except Exception as err:
+        # Keras' JAX `fit` takes the values out of the variables while it holds
+        # them (reading one then fails inside Keras): say which, else raise as is.
+        empty = []
+        for variable in [*model.trainable_variables, *model.non_trainable_variables,
+                         *optimizer.variables, *model.metrics_variables]:
+            try:
+                _ = variable.value
+            except Exception:
+                empty.append(variable.path)
+        if not empty:
+            raise
+        raise RuntimeError(
+            f"Cannot read the layout of {model.name}'s state: {len(empty)} variables have "
+            f"no value ({', '.join(empty[:3])}{', ...' if len(empty) > 3 else ''}), as "
+            "while Keras' JAX `fit` holds them. Read it before `fit` starts, or from a "
+            "callback through `self.model`, which puts the values back.") from err
     return make_state_layout(model, shardings)
 
 
