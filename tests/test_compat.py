@@ -327,3 +327,24 @@ def test_intercept_slot_creation_intercept_variable_key_and_rekey_optimizer():
     optimizer._trainable_variables_indices = {}
     keras_compat.rekey_optimizer(optimizer)
     assert optimizer._trainable_variables_indices == indices
+
+
+def test_optimizer_slot_positions_follow_keras_slot_index():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="a"),
+                              keras.layers.Dense(4, name="b")])
+    weights = model.trainable_variables
+    for optimizer, slots_each in ((keras.optimizers.Adam(), 2),
+                                  (keras.optimizers.SGD(momentum=0.9), 1),
+                                  (keras.optimizers.LossScaleOptimizer(
+                                      keras.optimizers.Adam()), 2),
+                                  (keras.optimizers.SGD(), 0)):
+        optimizer.build(weights)
+        variables = optimizer.variables
+        found = keras_compat.optimizer_slot_positions(optimizer, weights)
+        for weight, positions in zip(weights, found):
+            prefix = weight.path.replace("/", "_") + "_"  # Keras' slot names
+            expected = [i for i, v in enumerate(variables) if v.name.startswith(prefix)]
+            assert positions == expected, (type(optimizer).__name__, weight.path)
+        assert [len(p) for p in found] == [slots_each] * len(weights)
+    stranger = keras.Variable(np.zeros((4,), "float32"))
+    assert keras_compat.optimizer_slot_positions(keras.optimizers.Adam(), [stranger]) == [[]]

@@ -416,6 +416,40 @@ def rekey_optimizer(optimizer) -> None:
         optimizer._var_key(weight): index for index, weight in enumerate(weights)}
 
 
+def optimizer_slot_positions(optimizer, weights) -> list[list[int]]:
+    """Per weight of `weights`, the positions in `optimizer.variables` of its own slots
+    (momentum, velocity, ...; none for a weight the optimizer was not built for).
+
+    3.12-3.16: a built optimizer numbers its weights (`_get_variable_index`: the
+    weight's position in `_trainable_variables`, keyed by `_var_key`) and keeps each
+    kind of slot as a list by that number (Adam's `_momentums` and `_velocities`,
+    SGD's `momentums`, ...): every list attribute holding one optimizer variable (or
+    None) per weight is such a list. A wrapper (`LossScaleOptimizer`) keeps them on
+    its `inner_optimizer`, whose variables are among its own.
+    """
+    positions = {id(v): i for i, v in enumerate(optimizer.variables)}
+    found = [[] for _ in weights]
+    owners = [optimizer, getattr(optimizer, "inner_optimizer", None)]
+    for owner in owners:
+        if owner is None or not getattr(owner, "built", False):
+            continue
+        count = len(owner._trainable_variables)
+        slot_lists = [
+            value for name, value in vars(owner).items()
+            if name not in ("_variables", "_trainable_variables")
+            and isinstance(value, list) and len(value) == count
+            and any(v is not None for v in value)
+            and all(v is None or id(v) in positions for v in value)]
+        indices = owner._trainable_variables_indices
+        for out, weight in zip(found, weights):
+            index = indices.get(owner._var_key(weight))
+            if index is None:
+                continue
+            out.extend(positions[id(slots[index])] for slots in slot_lists
+                       if slots[index] is not None)
+    return [sorted(set(p)) for p in found]
+
+
 def intercept_direct_assign(interceptor) -> None:
     """Routes every write of a Keras variable's value outside a stateless scope through
     `interceptor(own, variable, value)` (installed once per `interceptor`).

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem.backends.jax.trainer_shared import PerDeviceState
 
 
@@ -72,24 +73,29 @@ class StateLayout:
         shards: Devices along it.
         weight_dims: Per trainable weight, the dimension split over the axis (or None).
         grad_dims: Per trainable weight, where its gradient is reduce-scattered:
-            the weight's own dimension, else that of its sharded optimizer slots
-            (same shape), else None (`psum`).
+            the weight's own dimension, else that of its own sharded optimizer
+            slots of its shape (as the optimizer maps slots to weights: two
+            weights of one shape may lie differently), else None (`psum`).
         optimizer_dims: Per optimizer variable, its split dimension (or None).
     """
 
     def __init__(self, axis, shards, weight_dims, optimizer_dims, weight_shapes,
-                 optimizer_shapes):
+                 optimizer_shapes, weight_slots):
+        """`weight_slots`: per trainable weight, the positions of its own slots
+        among the optimizer's variables (`keras_compat.optimizer_slot_positions`)."""
         self.axis, self.shards = axis, shards
         self.weight_dims = list(weight_dims)
         self.optimizer_dims = list(optimizer_dims)
         self.weight_ndims = [len(s) for s in weight_shapes]
         self.optimizer_ndims = [len(s) for s in optimizer_shapes]
-        slot_dims = {}
-        for shape, dim in zip(optimizer_shapes, optimizer_dims):
-            if dim is not None:
-                slot_dims.setdefault(tuple(shape), dim)
-        self.grad_dims = [dim if dim is not None else slot_dims.get(tuple(shape))
-                          for dim, shape in zip(self.weight_dims, weight_shapes)]
+        self.grad_dims = []
+        for dim, shape, slots in zip(self.weight_dims, weight_shapes, weight_slots):
+            if dim is None:
+                # A slot of another shape (a factored second moment) lies otherwise.
+                dim = next((self.optimizer_dims[i] for i in slots
+                            if self.optimizer_dims[i] is not None
+                            and tuple(optimizer_shapes[i]) == tuple(shape)), None)
+            self.grad_dims.append(dim)
 
     def weight_specs(self):
         return [_spec(self.axis, d, n) for d, n in zip(self.weight_dims, self.weight_ndims)]
@@ -157,9 +163,11 @@ def make_state_layout(model, state_shardings, distribution=None):
     if found is None:
         return None
     weight_dims, optimizer_dims, axis, shards = found
+    weights = model.trainable_variables
     return StateLayout(axis, shards, weight_dims, optimizer_dims,
-                       [tuple(v.shape) for v in model.trainable_variables],
-                       [tuple(v.shape) for v in model.optimizer.variables])
+                       [tuple(v.shape) for v in weights],
+                       [tuple(v.shape) for v in model.optimizer.variables],
+                       keras_compat.optimizer_slot_positions(model.optimizer, weights))
 
 
 def partitioner_shards_state(distribution=None) -> bool:
