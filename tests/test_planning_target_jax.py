@@ -290,3 +290,26 @@ def test_sharded_state_on_a_tpu_is_left_to_xla_tpus_partitioner():
         on_host = ktm.compiled_memory(model, 256, hlo_text=True)
     assert planned.total_bytes == spmd.total_bytes < engine.total_bytes
     assert "reduce-scatter" in on_host.hlo_text  # the engine's shard_map step on the host
+
+
+@needs_libtpu
+def test_accumulation_under_sharded_state_on_a_tpu_gathers_once(monkeypatch):
+    """On a TPU mesh the engine's accumulation loop under `ShardedDataParallel()` gathers
+    each weight once and reduce-scatters the sums once (`scatters_in_loop()` is False there,
+    True on the host's mesh): XLA:TPU holds less per chip than for the loop that scatters
+    every micro-batch (4.50 against 3.39 GiB for 8 x Dense(8192) on v5e-16)."""
+    from keras_tpu_mem.backends.jax.trainer_sharded import ShardMapGradients
+
+    accumulate = [ktm.GradientAccumulation(2)]
+    with ktm.ShardedDataParallel(jax.devices()[:8]).scope():
+        assert ShardMapGradients.scatter_in_loop
+        assert ShardMapGradients.scatters_in_loop(object.__new__(ShardMapGradients))
+        # A model each: the compile cache keys on the step and layouts, not the loop.
+        with shapes_only():
+            once = ktm.compiled_memory(_mlp(4096, 4), 256, device="v5e-8",
+                                       callbacks=accumulate, hlo_text=False)
+            monkeypatch.setattr(ShardMapGradients, "scatters_in_loop", lambda self: True)
+            in_loop = ktm.compiled_memory(_mlp(4096, 4), 256, device="v5e-8",
+                                          callbacks=accumulate, hlo_text=False)
+    assert once.compiler.startswith("XLA:TPU") and in_loop.compiler.startswith("XLA:TPU")
+    assert once.total_bytes < in_loop.total_bytes, (once, in_loop)
