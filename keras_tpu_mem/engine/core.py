@@ -241,22 +241,48 @@ class Engine:
             return type(model).make_train_function(model, force=force)
         self.features = features
         self._window_position = 0
-        for feature in features:
-            feature.install(model)
-        self._check_compatible()
-        # A later fit with the very same feature objects and compile settings
-        # reuses the traced step instead of tracing (and compiling) it again.
-        key = (tuple(features), model.steps_per_execution, model.jit_compile,
-               model.run_eagerly, self.backend_step.distribution_key(), id(model.optimizer),
-               id(keras_compat.compiled_loss_object(model)),
-               id(keras_compat.compiled_metrics_object(model)))
-        cached = self._cache
-        if cached is None or not _same_key(cached[0], key):
-            self._cache = (key, self.backend_step.build_train_function())
-            self.num_builds += 1
+        train_function, loss = model.__dict__.get("train_function"), getattr(model, "loss", None)
+        installed = []
+        try:
+            for feature in features:
+                # Listed before its install: one that fails half-way is taken off too.
+                installed.append(feature)
+                feature.install(model)
+            self._check_compatible()
+            # A later fit with the very same feature objects and compile settings
+            # reuses the traced step instead of tracing (and compiling) it again.
+            key = (tuple(features), model.steps_per_execution, model.jit_compile,
+                   model.run_eagerly, self.backend_step.distribution_key(),
+                   id(model.optimizer), id(keras_compat.compiled_loss_object(model)),
+                   id(keras_compat.compiled_metrics_object(model)))
+            cached = self._cache
+            if cached is None or not _same_key(cached[0], key):
+                self._cache = (key, self.backend_step.build_train_function())
+                self.num_builds += 1
+        except Exception:
+            # The fit ends here (Keras calls this before `on_train_begin`, so no
+            # `on_train_end` follows): leave the model as it was before it.
+            self._roll_back(installed, train_function, loss)
+            raise
         model.train_function = self._cache[1]
         self._installed = True
         return model.train_function
+
+    def _roll_back(self, installed: list[Feature], train_function, loss) -> None:
+        """Undoes a failed set-up: `uninstall` in reverse order of `install`, and
+        the model's train function and loss as they were before the `fit`."""
+        model = self.model
+        for feature in reversed(installed):
+            try:
+                feature.uninstall(model)
+            except Exception as err:  # the set-up's own error is the one to raise
+                logger.warning("Could not take %s off the model after its fit's set-up "
+                               "failed: %s", feature.name, err)
+        self.features = []
+        if model.__dict__.get("train_function") is not train_function:
+            model.train_function = train_function
+        if getattr(model, "loss", None) is not loss:
+            model.loss = loss
 
     def _uninstall(self, feature: Feature) -> None:
         try:
