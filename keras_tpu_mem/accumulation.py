@@ -241,25 +241,36 @@ class GradientAccumulation(EngineCallback):
     def micro_batches(self, per_replica_batch):
         if self.dataset_yields == "micro_batches":
             return None
-        replicas = self._replicas()
         size = self.micro_batch_size
+        if per_replica_batch is None:
+            # Only the run knows the batch (e.g. `fit(x, y, batch_size=...)` on
+            # arrays, whose last batch is smaller): the trainer checks there that
+            # it splits, and `explain_error` words that check's failure.
+            return self.steps if size is None else None
+        if isinstance(per_replica_batch, bool) or not isinstance(per_replica_batch, int):
+            raise TypeError("`per_replica_batch` must be a Python int or None, got "
+                            f"{per_replica_batch!r} ({type(per_replica_batch).__name__}).")
         what, divisor = self._requirement()
-        if isinstance(per_replica_batch, int):
-            if per_replica_batch % divisor:
-                raise ValueError(self._indivisible_message(what, per_replica_batch, replicas,
-                                                           divisor))
-            return self.steps if size is None else per_replica_batch // size
-        # The batch size is only known at run time (e.g. `fit(x, y, batch_size=...)`
-        # on arrays, whose last batch is smaller): the backend checks it there.
-        count = self.steps if size is None else per_replica_batch // size
-        return backends.current("GradientAccumulation").accumulation.checked_count(
-            per_replica_batch, divisor, count,
-            self._indivisible_message(what, None, replicas, divisor,
-                                      where="its size is shown below"))
+        if per_replica_batch % divisor:
+            raise ValueError(self._indivisible_message(what, per_replica_batch,
+                                                       self._replicas(), divisor))
+        return self.steps if size is None else per_replica_batch // size
+
+    def micro_batch_examples(self):
+        if self.dataset_yields == "micro_batches":
+            return None
+        return self.micro_batch_size
 
     def explain_error(self, error):
-        # Under XLA a batch of unknown size that does not split fails in the
-        # compilation of the split itself, with a bare reshape error.
+        # A batch only the run knows that does not split fails the trainer's
+        # check, or, under XLA (which drops run-time checks), XLA's compilation
+        # of the split itself with a bare reshape error. Only TensorFlow has
+        # such batches: on JAX every batch size is a Python int when the step is
+        # traced, and `micro_batches` refused an indivisible one then.
+        backend = backends.current("GradientAccumulation")
+        if not backend.has("accumulation"):
+            return None
+
         def message():
             what, divisor = self._requirement()
             return self._indivisible_message(
@@ -267,8 +278,7 @@ class GradientAccumulation(EngineCallback):
                 where="likely the ragged last batch of arrays; XLA's error below gives its "
                       "number of values")
 
-        return backends.current("GradientAccumulation").accumulation.explain_split_error(
-            error, message)
+        return backend.accumulation.explain_split_error(error, message)
 
     @staticmethod
     def _indivisible_message(what, batch, replicas, divisor, *, where=""):

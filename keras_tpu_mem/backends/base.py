@@ -33,11 +33,23 @@ class Backend:
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"
 
+    def has(self, concern: str) -> bool:
+        """Whether this backend serves `concern` (has the module
+        `backends/<name>/<concern>.py`): how a caller asks for a concern that only
+        one backend needs, instead of the other backend carrying a stub."""
+        return importlib.util.find_spec(f"{__package__}.{self.name}.{concern}") is not None
+
     def compiles_for_tpu(self) -> bool:
         """Whether this backend compiles a TPU slice's step in-process (JAX, through
         libtpu's compile-only devices: `tpu_topology`); TensorFlow plans its models'
         JAX lowering in a subprocess instead."""
-        return importlib.util.find_spec(f"{__package__}.{self.name}.tpu_topology") is not None
+        return self.has("tpu_topology")
+
+    def shards_state(self) -> bool:
+        """Whether this backend lays model state out over devices: `keras.distribution`
+        shards variables only on JAX (on TensorFlow, `tf.distribute` mirrors them, and
+        the `sharding` concern refuses each request, naming JAX)."""
+        return self.name == "jax"
 
     def __getattr__(self, concern: str):
         if concern.startswith("_"):

@@ -18,7 +18,13 @@ registration points (all optional, all methods of `Feature`):
   (gradient accumulation). At most one feature may return a count: features
   say *how many*, each backend's trainer says *how* (a `tf.while_loop` on
   TensorFlow, a `lax.scan` on JAX), sums the gradients locally and applies
-  them **once**.
+  them **once**. The batch is a Python int, or None where only the run knows
+  it (TensorFlow, a batch dimension that is not static: arrays whose last
+  batch is smaller); the count is always a Python int.
+* **`micro_batch_examples() -> int | None`** – where a feature fixes the
+  micro-batch's size rather than the count, that size: how a trainer splits a
+  batch whose size only the run knows (it then checks that the batch splits,
+  in an op named `MICRO_BATCH_SPLIT` that `explain_error` can recognise).
 * **`batches_per_update() -> int | None`** – Keras' accumulation convention:
   the dataset yields micro-batches and this many of them make one update.
   The engine pulls them one at a time from the iterator, sums their
@@ -115,7 +121,13 @@ class Feature:
         return data, {}
 
     def micro_batches(self, per_replica_batch: int | None) -> int | None:
-        """Micro-batch count for a per-replica batch, or None for no micro-batching."""
+        """Micro-batch count (a Python int) for a per-replica batch, or None for no
+        micro-batching (or, for a batch only the run knows, where the count follows
+        from `micro_batch_examples`)."""
+        return None
+
+    def micro_batch_examples(self) -> int | None:
+        """Examples per micro-batch, where the feature fixes that rather than the count."""
         return None
 
     def batches_per_update(self) -> int | None:

@@ -120,8 +120,7 @@ class Step:
     def _replica_step(self, data):
         model = self.model
         x, y, sample_weight, extras = self._unpack(data)
-        per_replica_batch = _batch_size((x, y, sample_weight, extras))
-        num_micro = self.engine.micro_batch_count(per_replica_batch)
+        num_micro = self._micro_batch_count(_batch_size((x, y, sample_weight, extras)))
         if isinstance(num_micro, int) and num_micro == 1:
             with tf.GradientTape() as tape:
                 y_pred, loss = self._forward(x, y, sample_weight, extras, 1)
@@ -141,6 +140,28 @@ class Step:
         for feature in self.features:
             feature.after_update(ctx)
         return logs
+
+    def _micro_batch_count(self, batch):
+        """The micro-batch count for a per-replica batch: the features' Python int, or
+        where only the run knows the batch (a scalar tensor), a tensor checked to
+        split it evenly before it is split (a feature's `explain_error` words the
+        check's failure: it is named `MICRO_BATCH_SPLIT`)."""
+        if isinstance(batch, int):
+            return self.engine.micro_batch_count(batch)
+        size = next((s for s in (f.micro_batch_examples() for f in self.features)
+                     if s is not None), None)
+        if size is None:
+            count = self.engine.micro_batch_count(None)
+            if count == 1:
+                return 1
+            divisor = count
+        else:
+            count, divisor = batch // size, size
+        check = tf.debugging.assert_equal(
+            batch % divisor, 0,
+            message=f"{MICRO_BATCH_SPLIT}: the batch does not split into micro-batches")
+        with tf.control_dependencies([check]):  # checked before the batch is split
+            return tf.identity(count)
 
     def _accumulated_gradients(self, batch, num_micro):
         """Sum of micro-batch gradients, one micro-batch alive at a time."""
