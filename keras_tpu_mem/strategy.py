@@ -20,7 +20,7 @@ import numpy as np
 
 from keras_tpu_mem import backends, devices
 from keras_tpu_mem._utils import check_positive_int, logger, unique
-from keras_tpu_mem.sharding.distribution import ShardedDataParallel
+from keras_tpu_mem.sharding.distribution import ShardedDataParallel, sharding_concern
 from keras_tpu_mem.sharding.rule import check_shard
 
 _SOURCE_WORDS = {
@@ -96,7 +96,7 @@ class TPUStrategyWrapper:
             check_positive_int(logical_cpus, "logical_cpus")
         self.sharding = check_sharding(sharding)
         if sharding is not None:
-            backend.sharding.check_available(f"TPUStrategyWrapper(sharding={sharding!r})")
+            sharding_concern(f"TPUStrategyWrapper(sharding={sharding!r})")
             options["sharded"] = functools.partial(ShardedDataParallel, shard=sharding)
         self._placement = concern.place(tpu, logical_cpus, **options)
         self.kind = self._placement.kind

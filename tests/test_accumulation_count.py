@@ -4,7 +4,6 @@ Python int count or None, never a tensor; the trainer checks the split itself
 (issue 29, defect 8)."""
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import max_abs_diff, mlp, sparse_ce, toy_data

@@ -42,6 +42,16 @@ _WHAT = "ShardedDataParallel"
 _WATCHED = weakref.WeakSet()
 
 
+def sharding_concern(what: str):
+    """The backend's `sharding` concern, once the backend is known to lay model state
+    out over devices (`Backend.shards_state`); `what` names the caller in the error
+    that TensorFlow's concern raises (naming JAX)."""
+    backend = backends.current(what)
+    if not backend.shards_state():
+        backend.sharding.refuse(what)
+    return backend.sharding
+
+
 def _itemsize(dtype) -> int:
     return np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
 
@@ -112,8 +122,7 @@ class ShardedDataParallel(keras.distribution.ModelParallel):
 
     def __init__(self, devices=None, *, shard="all", layout_map=None, axis_name="batch",
                  min_shard_bytes=0, auto_shard_dataset=True):
-        concern = backends.current(_WHAT).sharding
-        concern.check_available(_WHAT)
+        concern = sharding_concern(_WHAT)
         check_shard(shard)
         check_min_shard_bytes(min_shard_bytes)
         if not isinstance(axis_name, str) or not axis_name:

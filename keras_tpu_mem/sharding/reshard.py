@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import keras
 
-from keras_tpu_mem import backends
 from keras_tpu_mem.engine.core import engage
-from keras_tpu_mem.sharding.distribution import ShardedDataParallel, watch_optimizer
+from keras_tpu_mem.sharding.distribution import (
+    ShardedDataParallel,
+    sharding_concern,
+    watch_optimizer,
+)
 from keras_tpu_mem.sharding.layouts import target_layouts
 
 
@@ -56,8 +59,7 @@ def reshard(model, distribution):
         model.fit(x, y, batch_size=64)
     ```
     """
-    concern = backends.current("reshard").sharding
-    concern.check_available("reshard")
+    concern = sharding_concern("reshard")
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
     # Keras exports no base class of its distributions: what reshard uses.

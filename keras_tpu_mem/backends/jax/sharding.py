@@ -8,8 +8,8 @@ one is: give it the new layout, then assign its value laid out that way
 kept; only where they lie changes.
 
 Contract (`backends/tensorflow/sharding.py` raises for each, naming JAX):
-`check_available(what)`, `resolve_devices(devices)`, `move(variable, layout)`,
-`sharded_axes(variable)`, `device_bytes(variable)`.
+`resolve_devices(devices)`, `move(variable, layout)`, `sharded_axes(variable)`,
+`device_bytes(variable)`. Callers ask `Backend.shards_state()` first.
 """
 
 from __future__ import annotations
@@ -22,10 +22,6 @@ import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
-
-
-def check_available(what: str) -> None:
-    """Sharded state runs on JAX: nothing to refuse here."""
 
 
 def resolve_devices(devices) -> list:
@@ -86,4 +82,4 @@ def device_bytes(variable) -> int:
     return int(math.prod(shape)) * itemsize
 
 
-__all__ = ["check_available", "device_bytes", "move", "resolve_devices", "sharded_axes"]
+__all__ = ["device_bytes", "move", "resolve_devices", "sharded_axes"]

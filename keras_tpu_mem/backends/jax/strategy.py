@@ -100,18 +100,6 @@ class ArrayBatches(keras.utils.PyDataset):
         return tuple(batch) if isinstance(batch, list) else batch
 
 
-def mirrored_logical_cpus(count: int):
-    """A `tf.distribute.MirroredStrategy` has no JAX counterpart object.
-
-    Raises:
-        RuntimeError: always, saying what to use on JAX.
-    """
-    raise RuntimeError(
-        f"mirrored_logical_cpus({count}) builds a tf.distribute.MirroredStrategy (the "
-        "TensorFlow backend). On JAX use TPUStrategyWrapper(logical_cpus=N): a "
-        "keras.distribution.DataParallel over N host devices.")
-
-
 def place(tpu: str | None, logical_cpus: int | None, *, layout_map=None, mesh_shape=None,
           multi_host: bool = False, coordinator_address: str | None = None,
           num_processes: int | None = None, process_id: int | None = None,

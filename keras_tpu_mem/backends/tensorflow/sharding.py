@@ -5,13 +5,14 @@ variables out with `keras.distribution`, which shards state only on the JAX
 backend. On TensorFlow, `tf.distribute` owns placement (`TPUStrategy` mirrors
 variables on every replica).
 
-Contract: as `backends/jax/sharding.py`.
+Contract: as `backends/jax/sharding.py`, plus `refuse(what)`, the error every
+caller that needs sharded state raises where `Backend.shards_state()` is False.
 """
 
 from __future__ import annotations
 
 
-def check_available(what: str) -> None:
+def refuse(what: str) -> None:
     """Raises: sharded model state needs the JAX backend.
 
     Raises:
@@ -25,19 +26,19 @@ def check_available(what: str) -> None:
 
 
 def resolve_devices(devices) -> list:
-    check_available("ShardedDataParallel")
+    refuse("ShardedDataParallel")
 
 
 def move(variable, layout) -> None:
-    check_available("Moving a variable to a sharded layout")
+    refuse("Moving a variable to a sharded layout")
 
 
 def sharded_axes(variable):
-    check_available("Reading a variable's sharding")
+    refuse("Reading a variable's sharding")
 
 
 def device_bytes(variable) -> int:
-    check_available("Reading a variable's per-device bytes")
+    refuse("Reading a variable's per-device bytes")
 
 
-__all__ = ["check_available", "device_bytes", "move", "resolve_devices", "sharded_axes"]
+__all__ = ["device_bytes", "move", "refuse", "resolve_devices", "sharded_axes"]

@@ -23,8 +23,10 @@ Contract (same in `backends/jax/strategy.py`):
   replica of this process), `batches(dataset, global_batch_size,
   drop_remainder)`, `announcement(device_name)` (the log line without its
   reason) and `repr_fields` (what `repr` adds before the kind).
-* `mirrored_logical_cpus(count)`: the process-wide `MirroredStrategy` over
-  `count` logical CPUs (TensorFlow; JAX raises).
+
+TensorFlow's own (no JAX counterpart; `place` and the tests' strategy matrix
+use it): `mirrored_logical_cpus(count)`, the process-wide `MirroredStrategy`
+over `count` logical CPUs.
 """
 
 from __future__ import annotations
