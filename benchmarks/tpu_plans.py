@@ -129,6 +129,8 @@ def _timed(fn):
 PER_CHIP = 8
 #: `--slices`: the slices the bert and decoder parts plan on (empty: each part's own).
 SLICES: tuple = ()
+#: The plans' headroom in the mlp parts (`--headroom`).
+HEADROOM = 0.10
 
 
 def part_bert(quick: bool) -> list[dict]:
@@ -265,7 +267,8 @@ def part_mlp(quick: bool, big: bool = False) -> list[dict]:
                 + [keras.layers.Dense(16)])
             model.compile(optimizer=keras.optimizers.Adam(),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        planned = ktm.plan(model, 256, device=name, search=search, by_layer=False)
+        planned = ktm.plan(model, 256, device=name, search=search, by_layer=False,
+                           headroom=HEADROOM)
         seconds = time.perf_counter() - started
         rec = planned.recommendation
         check = None
@@ -281,7 +284,8 @@ def part_mlp(quick: bool, big: bool = False) -> list[dict]:
             recommendation=None if rec is None else rec.describe(),
             recommended_total=None if rec is None else rec.total_bytes,
             check_total=None if check is None else check.total_bytes,
-            candidates=len(planned.candidates), seconds=seconds,
+            candidates=len(planned.candidates), seconds=seconds, headroom=HEADROOM,
+            tried=[(c.describe(), c.total_bytes) for c in planned.candidates],
             rss_growth_gib=_rss_gib() - rss_before, compiler=planned.compiler))
         print(rows[-1], flush=True)
     return rows
@@ -317,15 +321,16 @@ def markdown(rows: list[dict]) -> str:
         out.append("")
     mlp = [r for r in rows if r["part"] == "mlp"]
     if mlp:
-        out += ["| MLP (shapes-only) | slice | parameters | plan | per-chip total (XLA:TPU) | "
-                "recommendation (compiled total) | plan (s) | host RSS growth |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += ["| MLP (shapes-only) | slice | parameters | plan (headroom) | "
+                "per-chip total (XLA:TPU) | recommendation (compiled total) | plan (s) | "
+                "host RSS growth |", "|---|---|---|---|---|---|---|---|"]
         for r in mlp:
             rec = "—" if r["recommendation"] is None else (
                 f"{r['recommendation']} ({_gib(r['recommended_total'])} GiB; compiled again: "
                 f"{_gib(r['check_total'])} GiB)")
             out.append(f"| {r['model']} | {r['slice']} | {r['params'] / 1e9:.2f} B | "
-                       f"{'search' if r['search'] else 'as built'} | {_gib(r['total'])} GiB "
+                       f"{'search' if r['search'] else 'as built'} ({r['headroom']:.0%}) | "
+                       f"{_gib(r['total'])} GiB "
                        f"of {_gib(r['capacity'])} | {rec} | {r['seconds']:.0f} | "
                        f"{r['rss_growth_gib']:.2f} GiB |")
         out.append("")
@@ -347,11 +352,14 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="small shapes (a smoke run, not the docs' table)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--headroom", type=float, default=0.10,
+                        help="the plans' headroom (mlp parts; default 0.10, plan's own)")
     parser.add_argument("--slices", default="",
                         help="comma-separated slices for the bert and decoder parts")
     args = parser.parse_args(argv)
-    global SLICES
+    global SLICES, HEADROOM
     SLICES = tuple(x.strip() for x in args.slices.split(",") if x.strip())
+    HEADROOM = args.headroom
     rows = []
     for part in args.parts.split(","):
         rows += PARTS[part.strip()](args.quick)

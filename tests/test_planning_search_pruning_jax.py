@@ -9,11 +9,10 @@ import jax
 import keras
 import pytest
 
-from keras_tpu_mem.planning import compiled_memory, plan
+from keras_tpu_mem.planning import SearchNote, compiled_memory, plan
 from keras_tpu_mem.planning.budget import DeviceBudget, divisors
 from keras_tpu_mem.planning.memory_plan import lever_callbacks
 from keras_tpu_mem.planning.remat_lever import targeted
-from keras_tpu_mem.planning.search import SearchNote
 from keras_tpu_mem.planning.sharding_lever import state_bytes_under
 from keras_tpu_mem.remat import Rematerialize
 from keras_tpu_mem.sharding import ShardedDataParallel

@@ -313,3 +313,27 @@ def test_accumulation_under_sharded_state_on_a_tpu_gathers_once(monkeypatch):
                                           callbacks=accumulate, hlo_text=False)
     assert once.compiler.startswith("XLA:TPU") and in_loop.compiler.startswith("XLA:TPU")
     assert once.total_bytes < in_loop.total_bytes, (once, in_loop)
+
+
+@needs_libtpu
+@pytest.mark.slow  # a search of XLA:TPU compiles: about 100 s here
+def test_search_on_a_tpu_compiles_keras_own_step_the_engines_loop_cannot_rule_out():
+    """On a TPU mesh one micro-batch under split state, without features, is Keras' own
+    step left to XLA:TPU's partitioner, another program than the engine's micro-batch
+    loop: a loop that does not fit (389 MiB for 4 x Dense(4096) at two micro-batches)
+    says nothing of it (133 MiB), so the search compiles it and recommends it."""
+    model = _mlp(4096, 4)
+    with ktm.ShardedDataParallel(jax.devices()[:8]).scope():
+        keras_step = ktm.compiled_memory(_mlp(4096, 4), 256, device="v5e-8", hlo_text=False)
+        loop = ktm.compiled_memory(_mlp(4096, 4), 256, device="v5e-8", hlo_text=False,
+                                   callbacks=[ktm.GradientAccumulation(2)])
+    budget = (keras_step.total_bytes + loop.total_bytes) // 2
+    assert loop.total_bytes - 2 * loop.data_bytes - loop.accumulator_bytes > budget
+    with keras.distribution.DataParallel(devices=jax.devices()[:8]).scope():
+        capacity = ktm.plan(model, 256, device="v5e-8", by_layer=False).capacity_bytes
+        planned = ktm.plan(model, 256, device="v5e-8", search=True, by_layer=False,
+                           headroom=1 - budget / capacity)
+    rec = planned.recommendation
+    assert rec is not None, str(planned)
+    assert (rec.accumulation_steps, rec.sharding, rec.bf16) == (1, "all", False), str(planned)
+    assert rec.total_bytes == keras_step.total_bytes

@@ -21,10 +21,9 @@ from keras_tpu_mem.planning.budget import DeviceBudget
 from keras_tpu_mem.planning.by_layer import LayerMemory, LayerTable
 from keras_tpu_mem.planning.compiled import compiled_memory
 from keras_tpu_mem.planning.memory import CompiledMemory
-from keras_tpu_mem.planning.memory_plan import MemoryPlan, Recommendation
+from keras_tpu_mem.planning.memory_plan import MemoryPlan, Recommendation, SearchNote
 from keras_tpu_mem.planning.oom import StepOutOfMemoryError, set_oom_device
 from keras_tpu_mem.planning.planner import plan
-from keras_tpu_mem.planning.search import SearchNote
 
 __all__ = [
     "CompiledMemory",

@@ -127,6 +127,59 @@ class Recommendation:
         return " + ".join(parts) or "as it is"
 
 
+class SearchNote(str):
+    """The plan's note on what the search compiled, with its counts as attributes.
+
+    A `str` (it is one of `MemoryPlan.notes`), so the plan prints it; the counts are for
+    code that reads the plan.
+
+    Attributes:
+        compiled: Candidates the search compiled (`MemoryPlan.candidates`), among them
+            the ones whose compile the Compiler's cache already held (`reused`).
+        reused: Of those, the ones that cost no compile: an earlier compile of the same
+            step and layouts (the plan's own step, most often).
+        exhaustive: Candidates a search without pruning compiles: every candidate up
+            to and including the recommendation, in order (all of them where none fits).
+        ruled_out: Of those, the ones ruled out unseen: `by_bound + by_dominance`.
+        by_bound: Ruled out because the state one device holds under the candidate's
+            layout, with the batch (and the accumulators), already exceeds the budget.
+        by_dominance: Ruled out because a more aggressive candidate (as many or more
+            micro-batches, as much or more state split, the same remat and precision)
+            did not fit.
+
+    Example:
+
+    ```python
+    p = ktm.plan(model, 1024, device="16GiB-8", search=True)
+    p.search.compiled, p.search.ruled_out      # (17, 56): a ktm.SearchNote
+    ```
+    """
+
+    compiled: int
+    reused: int
+    exhaustive: int
+    by_bound: int
+    by_dominance: int
+
+    def __new__(cls, *, compiled: int, reused: int, exhaustive: int, by_bound: int,
+                by_dominance: int):
+        text = (f"search: compiled {compiled} candidates ({reused} of them already compiled: "
+                f"the cache); of the {exhaustive} up to the recommendation in the search's "
+                "order (all, where none fits), "
+                f"ruled out {by_bound + by_dominance} unseen ({by_bound} by the lower bound: "
+                f"the state as laid out and the batch exceed the budget; {by_dominance} "
+                "because a more aggressive candidate, with more micro-batches or more state "
+                "split, did not fit).")
+        note = super().__new__(cls, text)
+        note.compiled, note.reused, note.exhaustive = compiled, reused, exhaustive
+        note.by_bound, note.by_dominance = by_bound, by_dominance
+        return note
+
+    @property
+    def ruled_out(self) -> int:
+        return self.by_bound + self.by_dominance
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Per-replica memory budget of a training configuration.
@@ -189,8 +242,6 @@ class MemoryPlan:
         """What `search=True` compiled: the `ktm.SearchNote` among `notes` (a `str` with
         counts: `compiled`, `reused`, `exhaustive`, `by_bound`, `by_dominance`,
         `ruled_out`); None for a plan that searched no compiles."""
-        from keras_tpu_mem.planning.search import SearchNote
-
         return next((n for n in self.notes if isinstance(n, SearchNote)), None)
 
     @property

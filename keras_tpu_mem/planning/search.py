@@ -34,7 +34,12 @@ from keras_tpu_mem.planning.budget import (
     model_precision,
 )
 from keras_tpu_mem.planning.by_layer_text import plan_table
-from keras_tpu_mem.planning.memory_plan import Recommendation, assemble, lever_callbacks
+from keras_tpu_mem.planning.memory_plan import (
+    Recommendation,
+    SearchNote,
+    assemble,
+    lever_callbacks,
+)
 from keras_tpu_mem.planning.remat_lever import RematLever
 from keras_tpu_mem.planning.sharding_lever import (
     active_distribution,
@@ -131,59 +136,6 @@ def _divisor_for(features, per_replica: int) -> int:
     return 1
 
 
-class SearchNote(str):
-    """The plan's note on what the search compiled, with its counts as attributes.
-
-    A `str` (it is one of `MemoryPlan.notes`), so the plan prints it; the counts are for
-    code that reads the plan.
-
-    Attributes:
-        compiled: Candidates the search compiled (`MemoryPlan.candidates`), among them
-            the ones whose compile the Compiler's cache already held (`reused`).
-        reused: Of those, the ones that cost no compile: an earlier compile of the same
-            step and layouts (the plan's own step, most often).
-        exhaustive: Candidates a search without pruning compiles: every candidate up
-            to and including the recommendation, in order (all of them where none fits).
-        ruled_out: Of those, the ones ruled out unseen: `by_bound + by_dominance`.
-        by_bound: Ruled out because the state one device holds under the candidate's
-            layout, with the batch (and the accumulators), already exceeds the budget.
-        by_dominance: Ruled out because a more aggressive candidate (as many or more
-            micro-batches, as much or more state split, the same remat and precision)
-            did not fit.
-
-    Example:
-
-    ```python
-    p = ktm.plan(model, 1024, device="16GiB-8", search=True)
-    p.search.compiled, p.search.ruled_out      # (17, 56): a ktm.SearchNote
-    ```
-    """
-
-    compiled: int
-    reused: int
-    exhaustive: int
-    by_bound: int
-    by_dominance: int
-
-    def __new__(cls, *, compiled: int, reused: int, exhaustive: int, by_bound: int,
-                by_dominance: int):
-        text = (f"search: compiled {compiled} candidates ({reused} of them already compiled: "
-                f"the cache); of the {exhaustive} up to the recommendation in the search's "
-                "order (all, where none fits), "
-                f"ruled out {by_bound + by_dominance} unseen ({by_bound} by the lower bound: "
-                f"the state as laid out and the batch exceed the budget; {by_dominance} "
-                "because a more aggressive candidate, with more micro-batches or more state "
-                "split, did not fit).")
-        note = super().__new__(cls, text)
-        note.compiled, note.reused, note.exhaustive = compiled, reused, exhaustive
-        note.by_bound, note.by_dominance = by_bound, by_dominance
-        return note
-
-    @property
-    def ruled_out(self) -> int:
-        return self.by_bound + self.by_dominance
-
-
 class SearchOutcome:
     """What `search_levers` found.
 
@@ -232,7 +184,11 @@ class _LeverSearch:
         # Rematerialisation where the backend has it as a lever (JAX: whole layers); its
         # targeted options are read from the by-layer table of the candidate
         # (1, as it is, float32, nothing recomputed) when the first is needed.
-        self.remat = RematLever(model, backends.current("plan").compiled.REMATERIALIZE_LEVER)
+        compiled = backends.current("plan").compiled
+        self.remat = RematLever(model, compiled.REMATERIALIZE_LEVER)
+        # On a TPU mesh a step without features under split state is Keras' own, left to
+        # XLA's partitioner: another program than the engine's micro-batch loop.
+        self._keras_step_when_split = compiled.partitioner_shards_state()
         self._options = self.remat.options(lambda: self.step((0, 0, 0)))
         self.combos = []
         self._bounds = {}
@@ -265,17 +221,22 @@ class _LeverSearch:
         if self.lower_bound(ki, mi) > self.usable:
             return "bound"
         for kj, mj in self._by_combo.get(ci, ()):
-            if mj >= mi and self._rules_out((kj, mj, ci), ki):
+            if mj >= mi and self._rules_out((kj, mj, ci), key):
                 return "dominance"
         return None
 
-    def _rules_out(self, other, ki) -> bool:
+    def _rules_out(self, other, key) -> bool:
         """Whether the compiled `other` (as much split or more, same combo) rules out the
-        candidate with `ks[ki]` micro-batches."""
+        candidate `key`."""
+        ki = key[0]
         kj = other[0]
         rec, step = self.results[other]
         total = rec.total_bytes
         if total <= self.usable or kj < ki:
+            return False
+        if kj > ki and self._is_keras_step(key):
+            # Nothing carries over from the engine's loop to another program (XLA:TPU,
+            # 6.7B MLP fully split on v5e-16: 42 GiB in the loop, 14.8 GiB in Keras' step).
             return False
         if kj == ki:
             # More split only moves state off the device.
@@ -288,6 +249,13 @@ class _LeverSearch:
             # One micro-batch holds no accumulators.
             total -= step.reference.accumulator_bytes
         return total > self.usable
+
+    def _is_keras_step(self, key) -> bool:
+        """Whether `key`'s step is Keras' own under split state (no feature at all)."""
+        ki, mi, ci = key
+        target, bf16 = self.combo(ci)
+        return (self._keras_step_when_split and self.ks[ki] == 1 and not self.base
+                and target is None and not bf16 and self.modes[mi][0] is not None)
 
     def step(self, key):
         """The `CompiledStep` of `key`, compiled once."""
@@ -348,7 +316,8 @@ class _LeverSearch:
         nothing, so it is passed over, and where `key` itself is predicted to fit, `key`
         is compiled. Else, in turn:
 
-        1. Once per key, more micro-batches at the most split (the same combo): where it
+        1. Once per key, more micro-batches at the most split (the same combo; not for
+           Keras' own step, `_is_keras_step`, which the engine's loop never rules out): where it
            does not fit by the margins of `_rules_out`, it rules out `key` and the
            combo's candidates in between, at every split. While nothing is known to
            fit, the next micro-batch count up (it fails the most clearly); once
@@ -367,7 +336,7 @@ class _LeverSearch:
         fitting = [j for (j, _, _), (rec, _) in self.results.items()
                    if rec.total_bytes <= self.usable]
         fit_k = min(fitting) if fitting else None
-        if key not in self._probed:
+        if key not in self._probed and not self._is_keras_step(key):
             self._probed.add(key)
             top = len(self.ks) if fit_k is None else fit_k
             open_ = [j for j in range(ki + 1, top) if (j, most, ci) not in self.results
@@ -434,7 +403,7 @@ class _LeverSearch:
             if rec.total_bytes > self.usable:
                 continue
             for kj, mj in self._by_combo[ci]:
-                if mj >= mi and self._rules_out((kj, mj, ci), ki):
+                if mj >= mi and self._rules_out((kj, mj, ci), (ki, mi, ci)):
                     other = self.results[(kj, mj, ci)][0]
                     fb = devices.format_bytes
                     return (f"search: {rec.describe()} fits ({fb(rec.total_bytes)}) though "
@@ -469,10 +438,10 @@ def _cache_size(compiler):
     """Entries the Compiler's cache holds for the model; None where it keeps none (a
     model that cannot be weakly referenced). A compile that leaves it as it was came
     from it."""
-    from keras_tpu_mem.planning import compiled as compiled_module
+    from keras_tpu_mem.planning.compiled import _CACHE
 
     try:
-        cache = compiled_module._CACHE.get(compiler.user_model)
+        cache = _CACHE.get(compiler.user_model)
     except TypeError:
         return None
     return None if cache is None else len(cache)
