@@ -15,10 +15,10 @@ Parts (`--parts`, default all):
              per-chip batch XLA:TPU fits (doubling until it refuses), compile seconds;
 * `decoder`  a 7B decoder in plain Keras with Gemma 7B's dimensions (28 blocks, width
              3072, 16 heads of 256, gated feed-forward 24576, vocabulary 256000,
-             untied output: about 9.3B parameters), global batch 8, sequence 512, on
-             v5e-8, v5e-16 and v6e-8, under `ShardedDataParallel()` (weights and slots
-             split over the chips): full fine-tuning with Adam in float32, and LoRA
-             rank 8 on a bfloat16 backbone;
+             untied output: about 9.3B parameters), sequence 512, global batch 8
+             (one per chip on a larger slice), on v5e-8, v5e-16 and v6e-8, under
+             `ShardedDataParallel()` (weights and slots split over the chips): full
+             fine-tuning with Adam in float32, and LoRA rank 8 on a bfloat16 backbone;
 * `sharded`  the engine's `shard_map` step against Keras' own step on the same
              `ShardedDataParallel` layouts left to XLA:TPU's SPMD partitioner: per-chip
              totals and the collectives each optimized HLO holds.
@@ -187,12 +187,14 @@ def part_decoder(quick: bool) -> list[dict]:
             with distribution.scope(), ktm.shapes_only():
                 model = (decoder(blocks=blocks, lora_rank=8, dtype="bfloat16") if lora
                          else decoder(blocks=blocks))
+            # Sequences of 512: 8 over the slice, or one per chip where it has more chips.
+            batch = max(8, ktm.tpu_slice(name).devices)
             with distribution.scope():
-                planned = ktm.plan(model, 8, device=name, by_layer=False)
+                planned = ktm.plan(model, batch, device=name, by_layer=False)
             seconds = time.perf_counter() - started
             params = sum(int(__import__("math").prod(v.shape)) for v in model.weights)
             rows.append(dict(
-                part="decoder", mode=mode, slice=name, params=params,
+                part="decoder", mode=mode, slice=name, params=params, batch=batch,
                 total=planned.total_bytes, capacity=planned.capacity_bytes,
                 fits=planned.fits, refused=planned.refused, seconds=seconds,
                 compiler=planned.compiler, rss_gib=_rss_gib()))
