@@ -372,6 +372,9 @@ def _state_variables(model) -> list:
     if optimizer is not None:
         variables += list(optimizer.variables)
     variables += list(getattr(model, "metrics_variables", None) or ())
+    # Metric objects given to compile made their variables already (in shapes_only(),
+    # deferred), before any fit builds the compiled metrics that list them.
+    variables += keras_compat.compile_metric_variables(model)
     return unique(variables)
 
 

@@ -348,3 +348,21 @@ def test_optimizer_slot_positions_follow_keras_slot_index():
         assert [len(p) for p in found] == [slots_each] * len(weights)
     stranger = keras.Variable(np.zeros((4,), "float32"))
     assert keras_compat.optimizer_slot_positions(keras.optimizers.Adam(), [stranger]) == [[]]
+
+
+def test_compile_metric_variables_before_any_build():
+    """`_compat.keras.compile_metric_variables`: the variables of metric objects given to
+    `compile` (Keras' `CompileMetrics._user_metrics` / `_user_weighted_metrics`), which
+    `model.metrics_variables` lists only once the compiled metrics are built."""
+    import keras
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    accuracy = keras.metrics.SparseCategoricalAccuracy()
+    weighted = keras.metrics.Mean(name="weighted_mean")
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                  metrics=[accuracy, "mae"], weighted_metrics=[weighted])
+    found = keras_compat.compile_metric_variables(model)
+    assert [id(v) for v in found] == [id(v) for v in accuracy.variables + weighted.variables]
+    listed = {id(v) for v in model.metrics_variables}
+    assert not listed & {id(v) for v in found}  # the compiled metrics are not built yet
+    assert keras_compat.compile_metric_variables(keras.Sequential()) == []

@@ -210,3 +210,18 @@ def test_a_1_5b_parameter_mlp_builds_in_little_host_memory():
     grown = _rss() - before
     assert model.count_params() > 1.47e9
     assert grown < 300 * MiB, f"RSS grew {grown / MiB:.0f} MiB"
+
+
+def test_metric_objects_given_to_compile_are_materialized():
+    """A metric object passed to `compile` inside `shapes_only()` (keras-hub's tasks do
+    it) made its variables there, before any fit lists them: `materialize` makes them too,
+    and the first fit trains."""
+    with shapes.shapes_only():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                      weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()])
+    assert shapes.is_shapes_only(model)
+    shapes.materialize(model)
+    assert not shapes.is_shapes_only(model)
+    history = model.fit(np.zeros((16, 8)), np.zeros((16,)), verbose=0)
+    assert "sparse_categorical_accuracy" in history.history

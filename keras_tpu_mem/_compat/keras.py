@@ -404,6 +404,31 @@ def intercept_variable_key(interceptor) -> None:
     _wrap_once(TFOptimizer, "_var_key", interceptor, make)
 
 
+def compile_metric_variables(model) -> list:
+    """The variables of the metric objects given to `model.compile(metrics=...,
+    weighted_metrics=...)`, whether or not Keras has built its `CompileMetrics` yet.
+
+    `model.metrics_variables` lists them only once a fit or an evaluate has built the
+    compiled metrics; a metric passed as an object (keras-hub's tasks compile with
+    `weighted_metrics=[SparseCategoricalAccuracy()]`) made its variables when it was
+    constructed. Keras 3.12-3.16 keep the objects as given in
+    `model._compile_metrics._user_metrics` / `._user_weighted_metrics` (lists or dicts,
+    nested; strings are made into metrics at build).
+    """
+    import keras
+
+    compile_metrics = getattr(model, "_compile_metrics", None)
+    if compile_metrics is None:
+        return []
+    found = []
+    for attribute in ("_user_metrics", "_user_weighted_metrics"):
+        given = getattr(compile_metrics, attribute, None)
+        for metric in keras.tree.flatten(given) if given is not None else ():
+            if isinstance(metric, keras.metrics.Metric):
+                found.extend(metric.variables)
+    return found
+
+
 def rekey_optimizer(optimizer) -> None:
     """Recomputes a built optimizer's index of its weights (3.15.1:
     `BaseOptimizer.build` maps `_var_key(weight)` to the weight's position in
