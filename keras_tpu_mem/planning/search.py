@@ -168,8 +168,8 @@ class _LeverSearch:
       candidate out, no compile;
     * dominance, within one combo: a compiled candidate `(kj, mj, ci)` with `mj >= mi`
       that does not fit rules out `(ki, mi, ci)` (`_rules_out`): at `kj == ki` always,
-      at `kj > ki` where its total less `_BATCH_COPIES` batches (and less its
-      accumulators, for `ks[ki] == 1`) still exceeds `usable`.
+      at `kj > ki >= 2 micro-batches` where its total less `_BATCH_COPIES` batches still
+      exceeds `usable`; never one micro-batch (no loop: another program).
     """
 
     def __init__(self, compile_fn, base, per_replica, usable, data_bytes, cap, model,
@@ -184,11 +184,7 @@ class _LeverSearch:
         # Rematerialisation where the backend has it as a lever (JAX: whole layers); its
         # targeted options are read from the by-layer table of the candidate
         # (1, as it is, float32, nothing recomputed) when the first is needed.
-        compiled = backends.current("plan").compiled
-        self.remat = RematLever(model, compiled.REMATERIALIZE_LEVER)
-        # On a TPU mesh a step without features under split state is Keras' own, left to
-        # XLA's partitioner: another program than the engine's micro-batch loop.
-        self._keras_step_when_split = compiled.partitioner_shards_state()
+        self.remat = RematLever(model, backends.current("plan").compiled.REMATERIALIZE_LEVER)
         self._options = self.remat.options(lambda: self.step((0, 0, 0)))
         self.combos = []
         self._bounds = {}
@@ -230,13 +226,16 @@ class _LeverSearch:
         candidate `key`."""
         ki = key[0]
         kj = other[0]
-        rec, step = self.results[other]
+        rec, _ = self.results[other]
         total = rec.total_bytes
         if total <= self.usable or kj < ki:
             return False
-        if kj > ki and self._is_keras_step(key):
-            # Nothing carries over from the engine's loop to another program (XLA:TPU,
-            # 6.7B MLP fully split on v5e-16: 42 GiB in the loop, 14.8 GiB in Keras' step).
+        if kj > ki and self.ks[ki] == 1:
+            # One micro-batch runs no micro-batch loop: another program, which a loop that
+            # does not fit says nothing of (the digits MLP of examples/fit_sharded_state.py
+            # split over 8 host devices: 43.2 MiB at two micro-batches, 25.3 MiB at one;
+            # on a TPU mesh it is Keras' own step: 6.7B MLP on v5e-16, 42 GiB in the loop,
+            # 15.0 GiB in Keras' step).
             return False
         if kj == ki:
             # More split only moves state off the device.
@@ -245,17 +244,7 @@ class _LeverSearch:
         # copies of the batch as split (and cast): up to `_BATCH_COPIES` of its bytes
         # (XLA:CPU, a small MLP in bfloat16: 8 micro-batches held one batch more than 4).
         total -= _BATCH_COPIES * self.data_bytes
-        if self.ks[ki] == 1:
-            # One micro-batch holds no accumulators.
-            total -= step.reference.accumulator_bytes
         return total > self.usable
-
-    def _is_keras_step(self, key) -> bool:
-        """Whether `key`'s step is Keras' own under split state (no feature at all)."""
-        ki, mi, ci = key
-        target, bf16 = self.combo(ci)
-        return (self._keras_step_when_split and self.ks[ki] == 1 and not self.base
-                and target is None and not bf16 and self.modes[mi][0] is not None)
 
     def step(self, key):
         """The `CompiledStep` of `key`, compiled once."""
@@ -316,14 +305,13 @@ class _LeverSearch:
         nothing, so it is passed over, and where `key` itself is predicted to fit, `key`
         is compiled. Else, in turn:
 
-        1. Once per key, more micro-batches at the most split (the same combo; not for
-           Keras' own step, `_is_keras_step`, which the engine's loop never rules out): where it
-           does not fit by the margins of `_rules_out`, it rules out `key` and the
-           combo's candidates in between, at every split. While nothing is known to
-           fit, the next micro-batch count up (it fails the most clearly); once
+        1. Once per key of two or more micro-batches (a loop never rules out one
+           micro-batch: another program), more micro-batches at the most split (the same
+           combo): where it does not fit by the margins of `_rules_out`, it rules out
+           `key` and the combo's candidates in between, at every split. While nothing is
+           known to fit, the next micro-batch count up (it fails the most clearly); once
            something fits at some k, the largest below it (where nothing is known to
-           fit: it rules out the most). For one micro-batch also a candidate already
-           ruled out: its rule asks for more (the accumulators).
+           fit: it rules out the most).
         2. The most split at the same micro-batches: where it does not fit, it rules out
            `key` and every split in between at once; not at the fewest micro-batches
            known to fit (there it fits, likely: no help).
@@ -336,11 +324,11 @@ class _LeverSearch:
         fitting = [j for (j, _, _), (rec, _) in self.results.items()
                    if rec.total_bytes <= self.usable]
         fit_k = min(fitting) if fitting else None
-        if key not in self._probed and not self._is_keras_step(key):
+        if key not in self._probed and self.ks[ki] > 1:
             self._probed.add(key)
             top = len(self.ks) if fit_k is None else fit_k
             open_ = [j for j in range(ki + 1, top) if (j, most, ci) not in self.results
-                     and (self.ks[ki] == 1 or self.known((j, most, ci)) is None)]
+                     and self.known((j, most, ci)) is None]
             if open_:
                 more = (open_[0] if fit_k is None else open_[-1], most, ci)
                 if not self.predicts_fit(more):
@@ -359,17 +347,20 @@ class _LeverSearch:
         at `key`'s micro-batches and split with another combo, plus what `key`'s combo
         did against that one where both were compiled), and the micro-batches taken as
         dividing what a compile of the same split and combo holds beyond its lower bound
-        (`lower_bound`: state, batch, accumulators)."""
+        (`lower_bound`: state, batch, accumulators), among two or more micro-batches."""
         ki, mi, ci = key
         totals = {k: rec.total_bytes for k, (rec, _) in self.results.items()}
         for (kj, mj, cj), total in totals.items():
-            if (mj, cj) == (mi, ci) and kj != ki:
+            # (Scaled only among loops: one micro-batch is another program.)
+            if (mj, cj) == (mi, ci) and kj != ki and min(self.ks[kj], self.ks[ki]) > 1:
                 rest = (total - self.lower_bound(kj, mi)) * self.ks[kj] / self.ks[ki]
                 if self.lower_bound(ki, mi) + rest <= self.usable:
                     return True
             if (kj, mj) != (ki, mi) or cj == ci:
                 continue
             for (kk, mk, ck), theirs in totals.items():
+                if (self.ks[kk] > 1) != (self.ks[ki] > 1):
+                    continue  # a difference seen in the other program
                 ours = totals.get((kk, mk, ci)) if ck == cj else None
                 if ours is not None and total + ours - theirs <= self.usable:
                     return True
@@ -474,8 +465,10 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
       (a larger k >= 2 holds the same accumulators and smaller micro-batches'
       activations, but its loop may hold the batch as split into micro-batches and
       cast: on XLA:CPU 8 micro-batches of a small MLP in bfloat16 held one batch more
-      than 4) and, for one micro-batch, which holds no accumulators, by more than that
-      and its accumulators.
+      than 4). One micro-batch is never ruled out by a loop: it runs none, and the
+      loop can hold more than its accumulators beyond it (the MLP of
+      examples/fit_sharded_state.py split over 8 devices: 43.2 MiB at two micro-batches,
+      less at one; on a TPU mesh it is Keras' own step).
     * Nothing is assumed across remat options or precisions: on XLA:CPU bfloat16 and
       `Rematerialize()` can need more memory than float32 and less recompute (at 4
       micro-batches, fully split, the encoder of benchmarks/bench_sharding.py takes

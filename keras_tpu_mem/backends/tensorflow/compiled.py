@@ -55,11 +55,6 @@ REMATERIALIZE_LEVER = False
 # State split over the data-parallel devices is a keras.distribution (JAX) lever.
 SHARDING_LEVER = False
 
-
-def partitioner_shards_state(distribution=None) -> bool:
-    """Whether a step without features under split state is Keras' own, left to XLA's
-    partitioner (JAX on a TPU mesh): never here (no state split on TensorFlow)."""
-    return False
 # `plan` without callbacks: compiles at small per-replica batches, extrapolated
 # (each TensorFlow compile of a large batch takes seconds to minutes).
 ESTIMATES = True
