@@ -7,12 +7,37 @@ one trace and takes them off again, leaving the engine as it found it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import keras
 
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem.engine.core import Engine
 from keras_tpu_mem.engine.feature import Feature, overrides
+
+# True while `compile_context` installs features for a trace (a planning compile,
+# not a fit): what a feature says about its install in the log belongs to a fit.
+_COMPILING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "keras_tpu_mem_compiling", default=False)
+
+
+def compiling_without_fit() -> bool:
+    """Whether features are being installed by `compile_context` (the planner), not a fit.
+
+    A feature's `install` reads it to keep quiet what only a real `fit` should
+    log (e.g. `MixedBFloat16`'s line naming the layers that compute in bfloat16,
+    which the planner would otherwise log once per compiled candidate).
+
+    Example:
+
+    ```python
+    def install(self, model):
+        ...
+        if not compiling_without_fit():
+            logger.info("MyFeature: installed on %s.", model.name)
+    ```
+    """
+    return _COMPILING.get()
 
 
 @contextlib.contextmanager
@@ -24,7 +49,8 @@ def compile_context(model, features):
     features. Nothing runs. On exit every feature is uninstalled, every
     layer's dtype policy is put back (even for features that keep theirs after
     a `fit`), each callback's `model` is what it was, and the engine holds the
-    features it held before (none outside a `fit`).
+    features it held before (none outside a `fit`). While it is open,
+    `compiling_without_fit()` is True: features log nothing only a `fit` should log.
 
     Args:
         model: A compiled `keras.Model`.
@@ -58,6 +84,7 @@ def compile_context(model, features):
               if isinstance(f, keras.callbacks.Callback)]
     held = engine.features
     installed = []
+    compiling = _COMPILING.set(True)
     try:
         for feature in features:
             if isinstance(feature, keras.callbacks.Callback):
@@ -79,3 +106,4 @@ def compile_context(model, features):
             for feature, previous in models:
                 feature._model = previous
             engine.features = held
+            _COMPILING.reset(compiling)

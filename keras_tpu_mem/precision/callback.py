@@ -6,6 +6,7 @@ import keras
 
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.engine import EngineCallback
+from keras_tpu_mem.engine.compile import compiling_without_fit
 from keras_tpu_mem.precision.notice import log_device_notice
 from keras_tpu_mem.precision.output import Float32Forward, is_float, straight_through_ok
 from keras_tpu_mem.precision.policies import (
@@ -184,6 +185,8 @@ class MixedBFloat16(EngineCallback):
         self._outputs_known = plan.outputs is not None
         self.plan = plan
         _reset_traces(model)
+        if compiling_without_fit():
+            return  # a planning compile (compile_context): the log lines belong to a fit
         logger.info("MixedBFloat16: %s.", describe_plan(plan, [w.layer for w in self._wrappers]))
         log_device_notice(model)
 
