@@ -21,6 +21,9 @@ solved here:
   naming `ktm.materialize(model)`, before anything is allocated; so does a write
   (`assign`, `set_weights`, a metric's reset), which Keras' TensorFlow variable
   cannot take without a value and Keras' JAX variable would take silently.
+  `fit`, `evaluate` and `predict` of a model with such variables are refused
+  before any layer runs, naming the model (any `keras.Model`, keras-hub's tasks
+  too: their own `fit` calls Keras').
 * Keras initialises every deferred variable when the next outermost
   `StatelessScope` exits (its list of uninitialised variables; the JAX trainer
   opens such scopes): variables made here are taken off that list, so they stay
@@ -187,6 +190,30 @@ def _write(own, variable, value):
     return own(variable, value)
 
 
+def _run(own, model, method, *args, **kwargs):
+    """`fit`, `evaluate` or `predict` of any Keras model: refused, naming the model,
+    while any of its variables is deferred (before a layer runs; a read inside a
+    layer call would be refused too, but named after one variable and wrapped in
+    Keras' "Exception encountered when calling ..."). Where shapes are read
+    (`deferring()`, `reading_shapes()`) it runs as Keras runs it."""
+    if not (_DEPTHS.deferring or _DEPTHS.reading):
+        deferred = [v for v in _state_variables(model) if _guarded(v)]
+        if deferred:
+            raise ValueError(
+                f"{type(model).__name__} '{model.name}' was built in ktm.shapes_only() (or "
+                f"ktm.deferring()) and has no values to {method} with: {len(deferred)} of its "
+                f"variables are shapes only (e.g. '{deferred[0].path}'). Call "
+                "ktm.materialize(model) to give it its values before fit, evaluate or "
+                "predict (then load real weights into it, if you have them).")
+    return own(model, *args, **kwargs)
+
+
+def _guarded(variable) -> bool:
+    """Whether `variable` was deferred here (`deferring()`) and has no value yet."""
+    return (isinstance(keras_compat.variable_initializer(variable), _Deferred)
+            and not keras_compat.has_value(variable))
+
+
 def _creating_optimizer():
     for caller in reversed(keras_compat.name_scope_callers()):
         if isinstance(caller, keras.optimizers.Optimizer):
@@ -218,6 +245,7 @@ def _install() -> None:
     keras_compat.intercept_slot_creation(_create_slot)
     keras_compat.intercept_variable_key(_variable_key)
     keras_compat.intercept_direct_assign(_write)
+    keras_compat.intercept_model_runs(_run)
 
 
 def _keep_deferred(also=()) -> None:

@@ -301,6 +301,35 @@ def test_intercept_variable_init_and_intercept_direct_assign():
     assert variable.numpy().tolist() == [1.0, 1.0]
 
 
+def test_intercept_model_runs_sees_fit_evaluate_and_predict_through_a_subclass():
+    from keras_tpu_mem import shapes
+
+    class Pipeline(keras.Sequential):
+        """Overrides `fit` and calls Keras' (keras-hub's `PipelineModel` does)."""
+
+        def fit(self, *args, **kwargs):
+            return super().fit(*args, **kwargs)
+
+    seen = []
+
+    def run_spy(own, model, method, *args, **kwargs):
+        seen.append((model.name, method))
+        return own(model, *args, **kwargs)
+
+    model = Pipeline([keras.Input((4,)), keras.layers.Dense(2)], name="piped")
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.zeros((4, 4), "float32"), np.zeros((4, 2), "float32")
+    try:
+        keras_compat.intercept_model_runs(run_spy)
+        keras_compat.intercept_model_runs(run_spy)  # once: not wrapped twice
+        model.fit(x, y, epochs=1, verbose=0)
+        model.evaluate(x, y, verbose=0)
+        model.predict(x, verbose=0)
+    finally:
+        shapes._install()  # keras_tpu_mem.shapes' own interceptors back
+    assert seen == [("piped", "fit"), ("piped", "evaluate"), ("piped", "predict")]
+
+
 def test_intercept_slot_creation_intercept_variable_key_and_rekey_optimizer():
     from keras_tpu_mem import shapes
 

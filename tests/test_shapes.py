@@ -126,7 +126,9 @@ def test_running_a_shapes_only_model_raises_naming_materialize_and_allocates_not
            "predict": lambda: model.predict(x, verbose=0),
            "evaluate": lambda: model.evaluate(x, y, verbose=0)}[method]
     before = _rss()
-    with pytest.raises(ValueError, match=r"ktm\.materialize\(model\)"):
+    refusal = (rf"^Sequential '{model.name}' was built in ktm\.shapes_only\(\).* no values "
+               rf"to {method} with.*ktm\.materialize\(model\)")
+    with pytest.raises(ValueError, match=refusal):
         run()
     assert _rss() - before < 128 * MiB
     assert not any(keras_compat.has_value(v) for v in model.trainable_variables)
@@ -250,14 +252,3 @@ def test_a_1_5b_parameter_mlp_builds_in_little_host_memory():
     grown = _rss() - before
     assert model.count_params() > 1.47e9  # 5.9 GB of float32 weights, 18 GB with Adam's slots
     assert grown < 300 * MiB, f"RSS grew {grown / MiB:.0f} MiB"
-
-
-def test_a_keras_hub_backbone_builds_deferred():
-    keras_hub = pytest.importorskip("keras_hub")
-    with shapes.shapes_only():
-        backbone = keras_hub.models.BertBackbone(
-            vocabulary_size=128, num_layers=2, num_heads=2, hidden_dim=16,
-            intermediate_dim=32, max_sequence_length=16)
-    assert backbone.variables and shapes.is_shapes_only(backbone)
-    shapes.materialize(backbone)
-    assert not shapes.is_shapes_only(backbone)

@@ -1,6 +1,7 @@
 """A model nobody here wrote, built shapes-only (issue 28 item 4): a keras-hub task, whose
 `__init__` compiles, and its backbone with `enable_lora`, planned without values, and the
-same figures as the model built with them (the compile sees shapes and layouts only).
+same figures as the model built with them (the compile sees shapes and layouts only);
+`fit`, `evaluate` and `predict` of such a task before `materialize` refused naming the task.
 
 keras-hub is installed on CI's JAX-only line (`.ci/run`: `--no-deps` and the packages its
 import needs); elsewhere these tests are skipped for want of it."""
@@ -55,5 +56,39 @@ def test_a_materialized_keras_hub_task_trains():
     ktm.materialize(task)
     assert not ktm.is_shapes_only(task)
     x, y, weights = _batch()
+    history = task.fit(x, y, sample_weight=weights, batch_size=2, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][-1])
+
+
+def test_a_keras_hub_backbone_builds_deferred():
+    """Another keras-hub architecture (BERT), a backbone alone (nothing compiled)."""
+    with ktm.shapes_only():
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=128, num_layers=2, num_heads=2, hidden_dim=16,
+            intermediate_dim=32, max_sequence_length=16)
+    assert backbone.variables and ktm.is_shapes_only(backbone)
+    ktm.materialize(backbone)
+    assert not ktm.is_shapes_only(backbone)
+
+
+def test_running_a_shapes_only_keras_hub_task_is_refused_naming_the_model():
+    with ktm.shapes_only():
+        task = _gemma(lora_rank=4)
+    x, y, weights = _batch()
+    runs = {"fit": lambda: task.fit(x, y, sample_weight=weights, batch_size=2, verbose=0),
+            "evaluate": lambda: task.evaluate(x, y, sample_weight=weights, batch_size=2,
+                                              verbose=0),
+            "predict": lambda: task.predict(x, batch_size=2, verbose=0)}
+    for method, run in runs.items():
+        # Refused before keras-hub's task runs a layer: the model is named, not a
+        # variable deep inside a layer call ("Exception encountered when calling ...").
+        with pytest.raises(ValueError) as refused:
+            run()
+        message = str(refused.value)
+        assert message.startswith(f"GemmaCausalLM '{task.name}' was built in ktm.shapes_only()"), \
+            (method, message)
+        assert f"no values to {method} with" in message and "ktm.materialize(model)" in message
+    assert ktm.is_shapes_only(task)
+    ktm.materialize(task)  # nothing the refusals did is in the way
     history = task.fit(x, y, sample_weight=weights, batch_size=2, epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][-1])

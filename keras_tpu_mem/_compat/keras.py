@@ -497,3 +497,30 @@ def intercept_direct_assign(interceptor) -> None:
 
     owner = next(c for c in keras.Variable.__mro__ if "_direct_assign" in c.__dict__)
     _wrap_once(owner, "_direct_assign", interceptor, make)
+
+
+def intercept_model_runs(interceptor) -> None:
+    """Routes every Keras model's `fit`, `evaluate` and `predict` through
+    `interceptor(own, model, method, *args, **kwargs)`, `method` being the name
+    (installed once per `interceptor`).
+
+    3.12-3.16: the three are defined by the backend's trainer class, which
+    `keras.Model` derives from (`JAXTrainer`; TensorFlow's `TensorFlowTrainer`,
+    `Trainer` in 3.16); a subclass that overrides one and calls `super()`
+    (keras-hub's `PipelineModel`: preprocessing, then Keras' own) reaches the
+    wrapper too.
+    """
+    import functools
+
+    import keras
+
+    for method in ("fit", "evaluate", "predict"):
+        def make(own, method=method):
+            @functools.wraps(own)
+            def run(self, *args, **kwargs):
+                return interceptor(own, self, method, *args, **kwargs)
+
+            return run
+
+        owner = next(c for c in keras.Model.__mro__ if method in c.__dict__)
+        _wrap_once(owner, method, interceptor, make)
