@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import keras
 
-from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int, logger
-from keras_tpu_mem.engine import EngineCallback
+from keras_tpu_mem.engine import EngineCallback, StepContext
 
 # Loss reductions for which the mean of equal micro-batch losses equals the
 # full-batch loss. "sum" would need the sum, and "mean_with_sample_weight"
@@ -267,10 +266,6 @@ class GradientAccumulation(EngineCallback):
         # of the split itself with a bare reshape error. Only TensorFlow has
         # such batches: on JAX every batch size is a Python int when the step is
         # traced, and `micro_batches` refused an indivisible one then.
-        backend = backends.current("GradientAccumulation")
-        if not backend.has("accumulation"):
-            return None
-
         def message():
             what, divisor = self._requirement()
             return self._indivisible_message(
@@ -278,7 +273,7 @@ class GradientAccumulation(EngineCallback):
                 where="likely the ragged last batch of arrays; XLA's error below gives its "
                       "number of values")
 
-        return backend.accumulation.explain_split_error(error, message)
+        return StepContext.outside().explain_split_error(error, message)
 
     @staticmethod
     def _indivisible_message(what, batch, replicas, divisor, *, where=""):

@@ -22,6 +22,13 @@ from keras_tpu_mem import backends
 _FILE_NUMBERS = itertools.count()
 
 
+
+def gfile():
+    """The running backend's file functions (`storage.gfile`: `tf.io.gfile` on
+    TensorFlow, TensorBoard's TensorFlow-free stub with fsspec on JAX)."""
+    return backends.current().storage.gfile
+
+
 class EventFileWriter:
     """Appends TensorBoard summaries to a new `events.out.tfevents.*` file.
 
@@ -43,12 +50,12 @@ class EventFileWriter:
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         self._event_pb2 = event_pb2
-        gfile = backends.current().storage.gfile
-        gfile.makedirs(log_dir)
+        files = gfile()
+        files.makedirs(log_dir)
         name = (f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}."
                 f"{os.getpid()}.{next(_FILE_NUMBERS)}")
         self.path = os.path.join(log_dir, name) if "://" not in log_dir else f"{log_dir}/{name}"
-        self._records = RecordWriter(gfile.GFile(self.path, "wb"))
+        self._records = RecordWriter(files.GFile(self.path, "wb"))
         self._closed = False
         self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import keras
 
-from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem.engine import EngineCallback
+from keras_tpu_mem.engine import EngineCallback, StepContext
 
 _MODES = ("layers", "activations")
 
@@ -98,7 +97,7 @@ class Rematerialize(EngineCallback):
     def install(self, model):
         self.uninstall(model)
         if self.mode == "layers":
-            backends.current("Rematerialize").remat.check_layer_remat()
+            StepContext.outside(model).check_layer_remat()
         for layer in self.chosen_layers(model):
             if self.mode == "activations":
                 activation = getattr(layer, "activation", None)

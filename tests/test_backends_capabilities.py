@@ -16,8 +16,14 @@ JAX, TF = backends.get("jax"), backends.get("tensorflow")
 
 
 def test_only_tensorflow_explains_a_run_time_split():
-    # On JAX every batch size is a Python int when the step is traced.
-    assert TF.has("accumulation") and not JAX.has("accumulation")
+    # On JAX every batch size is a Python int when the step is traced: its step
+    # context has no split to explain (no stub that answers None).
+    from keras_tpu_mem.backends.tensorflow import context as tf_context
+
+    assert tf_context.splits_batches_at_run_time()
+    jax_source = _source("jax.context")
+    assert "def splits_batches_at_run_time() -> bool:" in jax_source
+    assert "def explain_split_error" not in jax_source
     assert TF.has("trainer") and JAX.has("trainer")
 
 

@@ -6,7 +6,6 @@ import logging
 
 from precision_models import BATCH, compiled, digits_mlp
 
-from keras_tpu_mem import backends
 from keras_tpu_mem.precision import MixedBFloat16, notice
 
 
@@ -34,6 +33,5 @@ def test_device_notice_texts(monkeypatch):
     assert "no bfloat16 instructions" in notice.device_notice()
     monkeypatch.setattr(notice, "_cpu_bf16_flags", lambda: ["amx_bf16"])
     assert "amx_bf16" in notice.device_notice()
-    monkeypatch.setattr(backends.current().precision, "device_kinds",
-                        lambda strategy, devices: ["TPU"])
+    monkeypatch.setattr(notice.devices, "device_platform", lambda device: "TPU")
     assert notice.device_notice() is None

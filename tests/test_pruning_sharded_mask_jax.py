@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from keras_tpu_mem import ShardedDataParallel
-from keras_tpu_mem.backends.jax import pruning
+from keras_tpu_mem.engine import StepContext
+from keras_tpu_mem.pruning import callback
+
+
+def _derive(mask, kernel, from_zeros):
+    """What `Pruning` does to its masks at a resume."""
+    fn = callback._nonzero if from_zeros else callback._ones
+    StepContext.outside().set_state(mask, kernel, fn)
 
 
 @pytest.fixture
@@ -22,7 +29,7 @@ def sharded_kernel():
         values = np.random.default_rng(0).normal(size=(16, 64)).astype("float32")
         values[values < 0.3] = 0.0  # about 60% zeros, as a pruned kernel resumed
         kernel.assign(values)
-        mask = pruning.new_mask(model, kernel)
+        mask = StepContext.outside(model).state_variable(kernel, "bool", "pruning_mask")
         yield kernel, mask, values
 
 
@@ -38,7 +45,7 @@ def test_mask_from_zeros_never_reads_the_sharded_kernel_on_the_host(sharded_kern
         raise RuntimeError("gathered a sharded array to the host")
 
     monkeypatch.setattr(type(kernel.value), "__array__", not_on_host)
-    pruning.derive_mask(mask, kernel, from_zeros=True)
+    _derive(mask, kernel, from_zeros=True)
     monkeypatch.undo()
 
     np.testing.assert_array_equal(np.asarray(mask.value), values != 0)
@@ -48,13 +55,13 @@ def test_mask_from_zeros_never_reads_the_sharded_kernel_on_the_host(sharded_kern
 
 def test_mask_not_from_zeros_is_all_ones_laid_out_as_the_kernel(sharded_kernel):
     kernel, mask, _ = sharded_kernel
-    pruning.derive_mask(mask, kernel, from_zeros=False)
+    _derive(mask, kernel, from_zeros=False)
     assert np.asarray(mask.value).all()
     assert mask.value.sharding.is_equivalent_to(kernel.value.sharding, 2)
 
 
 def test_mask_from_zeros_without_a_distribution():
     kernel = keras.Variable(np.array([[0.0, 1.5], [-2.0, 0.0]], "float32"))
-    mask = pruning.new_mask(None, kernel)
-    pruning.derive_mask(mask, kernel, from_zeros=True)
+    mask = StepContext.outside().state_variable(kernel, "bool", "pruning_mask")
+    _derive(mask, kernel, from_zeros=True)
     np.testing.assert_array_equal(np.asarray(mask.value), [[False, True], [True, False]])

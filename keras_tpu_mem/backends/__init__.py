@@ -59,4 +59,13 @@ def current(what: str = "keras_tpu_mem") -> Backend:
     return get(name)
 
 
-__all__ = ["SUPPORTED", "Backend", "current", "get"]
+def running() -> Backend | None:
+    """The adapter of the Keras backend this process runs, or None where Keras runs
+    a backend without one (then only what needs no backend works, e.g. arrays)."""
+    import keras
+
+    name = keras.backend.backend()
+    return get(name) if name in SUPPORTED else None
+
+
+__all__ = ["SUPPORTED", "Backend", "current", "get", "running"]

@@ -15,7 +15,14 @@ MICRO_BATCH_SPLIT = "ktm_micro_batch_split"
 
 
 class StepContext:
-    """What a feature sees inside the compiled step (one replica, one micro-batch).
+    """Everything a feature sees: the step's values, and the verbs that write state.
+
+    Inside the compiled step (one replica, one micro-batch) the engine hands one
+    to `transform_loss` and `after_update`; around the step (a feature's
+    `install`, a resume) `StepContext.outside(model)` gives the same verbs
+    without a batch. The verbs are the running backend's
+    (`backends/<name>/context.py`, contract `backends.contracts.Context`): a
+    feature never asks which backend runs.
 
     Attributes:
         model: The model being trained.
@@ -28,11 +35,15 @@ class StepContext:
             variables said leave them as they are (`Feature.quiet_update`): its
             `after_update` must then not assign them (the JAX engine checks).
 
-    Example (a feature's loss term reads the batch):
+    Example (a feature's loss term reads the batch; an update writes a weight):
 
     ```python
     def transform_loss(self, loss, ctx):
         return loss + 0.1 * keras.ops.mean(keras.ops.square(ctx.y_pred))
+
+    def after_update(self, ctx):
+        kernel = ctx.model.layers[0].kernel
+        ctx.assign(kernel, keras.ops.clip(kernel.value, -1.0, 1.0))
     ```
     """
 
@@ -46,6 +57,100 @@ class StepContext:
         self.extras = extras or {}
         self.num_micro_batches = num_micro_batches
         self.quiet = quiet
+        self._verbs = _running_context()
+
+    @classmethod
+    def outside(cls, model=None) -> StepContext:
+        """The verbs around the step (no batch): for a feature's set-up and resume."""
+        return cls(model)
+
+    # ------------------------------------------------------------ the backend's step
+    @property
+    def backend_label(self) -> str:
+        """How messages name the running backend ("TensorFlow", "JAX")."""
+        from keras_tpu_mem import backends
+
+        return backends.current().label
+
+    def update_count_dtype(self) -> str:
+        """The dtype of `optimizer.iterations`, the step a schedule gets."""
+        return self._verbs.update_count_dtype()
+
+    def runs_tensorflow_ops(self) -> bool:
+        """Whether a function made of TensorFlow ops (tfmot's schedules) runs in the step."""
+        return self._verbs.runs_tensorflow_ops()
+
+    def builds_in_step(self) -> bool:
+        """Whether Keras builds a model still unbuilt at `fit` inside the step's first
+        trace (then a feature makes its state there, through `eagerly`)."""
+        return self._verbs.builds_in_step()
+
+    def compiles_with_xla(self) -> bool:
+        """Whether the model's step is an XLA program."""
+        return self._verbs.compiles_with_xla(self.model)
+
+    def check_layer_remat(self) -> None:
+        """Raises a `ValueError` where recomputing whole layers does not work."""
+        self._verbs.check_layer_remat()
+
+    def explain_split_error(self, error, message):
+        """Where `error` is the failed split of a batch into micro-batches, an error of
+        the same kind saying `message()` first; else None (always, on a backend whose
+        step never splits a batch it does not know the size of)."""
+        if not self._verbs.splits_batches_at_run_time():
+            return None
+        return self._verbs.explain_split_error(error, message)
+
+    # ------------------------------------------------------------ a feature's state
+    def eagerly(self, fn):
+        """`fn()` outside the step being traced (to create state inside a first trace)."""
+        return self._verbs.eagerly(fn)
+
+    def state_variable(self, like, dtype, name: str):
+        """A new all-ones variable shaped and laid out like `like`, owned by the feature
+        (never by the model), that the step may write."""
+        return self._verbs.state_variable(self.model, like, dtype, name)
+
+    def set_state(self, variable, like, fn) -> None:
+        """Outside the step: `variable` = `fn(like's value)`, computed where the value
+        lives (`fn`: elementwise keras.ops, a module-level function)."""
+        self._verbs.set_state(variable, like, fn)
+
+    # ------------------------------------------------------------ inside the step
+    def update_count(self):
+        """The updates made so far, this one included (after the optimizer's update)."""
+        return self._verbs.update_count(self.model.optimizer)
+
+    def assign(self, variable, value) -> None:
+        """Writes `variable` (a model's or a feature's) on every replica."""
+        self._verbs.assign(variable, value)
+
+    def assign_where(self, condition, variables, new_values) -> None:
+        """Where `condition` holds, each of `variables` takes the value `new_values()`
+        gives (computed only then)."""
+        self._verbs.assign_where(condition, variables, new_values)
+
+    def checked(self, condition, valid, message: str, *data):
+        """`condition and valid`; where the backend can assert in the step (TensorFlow
+        without XLA), a `valid` that fails where `condition` holds stops the step with
+        `message` and `data`."""
+        return self._verbs.checked(condition, valid, message, *data)
+
+    def masked(self, value, mask):
+        """`value` with exact +0.0 where the (float) `mask` is 0, also over inf/NaN."""
+        return self._verbs.masked(value, mask)
+
+    def first_step_where(self, predicate, first: int, stride: int, traceable: bool = True):
+        """`limit -> bool`: whether `predicate(s)` holds for some `s` in `first, first +
+        stride, ...` up to `limit` (`traceable`: `predicate` may be compiled)."""
+        return self._verbs.first_step_where(predicate, first, stride, traceable)
+
+
+def _running_context():
+    """The running backend's verbs (`backends/<name>/context.py`)."""
+    from keras_tpu_mem import backends
+
+    return backends.current("keras_tpu_mem's step").context
 
 
 def check_pulled_micro_batches(model, k: int) -> None:

@@ -5,7 +5,9 @@
 * `units`: `GIB`, `GB`, `format_bytes`.
 * `listing`: the devices that run the model (`replica_devices`,
   `model_devices`) and what they are (`device_name`, `device_platform`,
-  `is_host_device`, `device_kinds`).
+  `is_host_device`, `device_kinds`, `gpu_capabilities`, `cpu_bfloat16_matmul`).
+* `placement`: where a model's variables live (`training_strategy`,
+  `variable_owner`, `active_strategy`, `replica_runner`).
 * `memory`: current and peak bytes with their source (`read_memory`,
   `reset_peak`, `memory_source`, `read_memory_reading`, `MemoryReading`),
   the allocator's statistics (`memory_stats`) and a device's `capacity`.
@@ -41,9 +43,11 @@ from keras_tpu_mem.devices.host import (
 )
 from keras_tpu_mem.devices.listing import (
     backend_devices,
+    cpu_bfloat16_matmul,
     device_kinds,
     device_name,
     device_platform,
+    gpu_capabilities,
     is_host_device,
     model_devices,
     replica_devices,
@@ -83,6 +87,7 @@ jax_capacity = capacity
 __all__ = [
     "GB", "GIB", "GPU_MEMORY_BYTES", "HBM_TABLE", "MEMORY_SOURCES", "SOURCE_ALLOCATOR",
     "SOURCE_HOST_RSS", "AcceleratorSpec", "MemoryReading", "backend_devices", "capacity",
+    "cpu_bfloat16_matmul", "gpu_capabilities",
     "describe_source", "device_kinds", "device_name", "device_platform", "format_bytes",
     "gpu_memory_bytes", "host_memory_readable", "host_peak_method", "host_rss_bytes",
     "is_host_device", "lookup_tpu", "memory_source", "memory_stats", "model_devices",

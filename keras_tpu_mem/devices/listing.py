@@ -71,3 +71,16 @@ def device_kinds(device) -> list[str]:
     """What names the device's hardware, most trusted first: a TPU's accelerator
     type or device kind (`"v3-8"`, `"TPU v4"`), a GPU's name; may be empty."""
     return backend_devices().device_kinds(device)
+
+
+def gpu_capabilities(devices) -> list[tuple[str, str]]:
+    """`(name, "major.minor")` of each GPU among `devices` whose compute capability
+    the backend tells."""
+    return backend_devices().gpu_capabilities(devices)
+
+
+def cpu_bfloat16_matmul(native: bool) -> str:
+    """How the running backend computes a bfloat16 matrix product on a CPU with
+    (`native`) or without bfloat16 instructions: `"bfloat16"`, `"float32"` (XLA
+    upcasts) or `"emulated"`."""
+    return backend_devices().cpu_bfloat16_matmul(native)

@@ -27,8 +27,8 @@ Modules, one job each: `callback` (`Distillation`), `loss` (the KL term),
 live), `elements` (the element structure above), `cache` (the cache API),
 `arrays` (the cache of arrays), `teacher_logits` (`TeacherLogits`, what it
 returns), `npz` (its file), `directory` (the cache of a tf.data.Dataset),
-`structure` (nests of arrays). What tf.distribute and tf.data do is
-`backends.current().distillation`'s.
+`structure` (nests of arrays). What tf.distribute does is
+`devices.placement`'s, what tf.data does `keras_tpu_mem.tf_data`'s.
 """
 
 from keras_tpu_mem.distillation.cache import (

@@ -13,8 +13,9 @@ import os
 
 import keras
 
-from keras_tpu_mem import backends
+from keras_tpu_mem import tf_data
 from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem.devices import placement
 from keras_tpu_mem.distillation.arrays import cache_arrays
 from keras_tpu_mem.distillation.checks import ends_in_probabilities
 from keras_tpu_mem.distillation.directory import cache_dataset, load_directory
@@ -23,18 +24,6 @@ from keras_tpu_mem.distillation.npz import SUFFIX as NPZ_SUFFIX
 from keras_tpu_mem.distillation.npz import read as read_npz
 from keras_tpu_mem.distillation.placement import strategy_scope
 from keras_tpu_mem.distillation.teacher_logits import TeacherLogits
-
-
-def _distillation_backend():
-    """The running backend's distillation half, or None on a Keras backend without one.
-
-    Arrays and `TeacherLogits` need no backend's half: they work on every Keras
-    backend, tf.data datasets only where a half reads them.
-    """
-    try:
-        return backends.current("cache_teacher_logits").distillation
-    except RuntimeError:
-        return None
 
 
 def cache_teacher_logits(teacher, dataset, *, batch_size: int = 32,
@@ -128,8 +117,7 @@ def cache_teacher_logits(teacher, dataset, *, batch_size: int = 32,
             f"The teacher's last layer applies {which}: cache_teacher_logits needs logits. "
             "Remove the final activation."
         )
-    backend = _distillation_backend()
-    if backend is None or not backend.is_dataset(dataset):
+    if not tf_data.is_training_dataset(dataset):
         return cache_arrays(teacher, dataset, batch_size=batch_size, top_k=top_k, path=path)
     return cache_dataset(teacher, dataset, top_k=top_k, path=path)
 
@@ -184,7 +172,7 @@ def strip_teacher_logits(dataset):
         return dataset.without_logits()
     if not is_cached_element(dataset.element_spec):
         raise ValueError("`dataset` carries no cached teacher logits.")
-    return backends.current("strip_teacher_logits").distillation.drop_logits(dataset)
+    return tf_data.functions().drop_logits(dataset)
 
 
 def prepare_student(student, dataset) -> None:
@@ -219,21 +207,20 @@ def prepare_student(student, dataset) -> None:
     """
     if not isinstance(student, keras.Model):
         raise TypeError(f"`student` must be a keras.Model, got {type(student).__name__}.")
-    backend = _distillation_backend()
     if isinstance(dataset, TeacherLogits):
         batch = dataset.without_logits()[0]
-        strategy = None if backend is None else backend.model_strategy(student)
+        strategy = placement.training_strategy(student, "prepare_student")
         with strategy_scope(strategy):
             keras_compat.symbolic_build(student, batch)
         return
-    if (backend is None or not backend.is_dataset(dataset)
+    if (not tf_data.is_training_dataset(dataset)
             or not is_cached_element(dataset.element_spec)):
         raise ValueError(
             "`dataset` must be the batched tf.data.Dataset of cached teacher logits you "
             "will pass to fit (from cache_teacher_logits / load_teacher_logits)."
         )
-    batch = backend.first_element(strip_teacher_logits(dataset))
-    with strategy_scope(backend.model_strategy(student)):
+    batch = tf_data.functions().first_element(strip_teacher_logits(dataset))
+    with strategy_scope(placement.training_strategy(student, "prepare_student")):
         keras_compat.symbolic_build(student, batch)
 
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import keras
 
-from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem.devices import placement
 from keras_tpu_mem.distillation.checks import (
     check_alpha,
     check_temperature,
@@ -261,7 +261,7 @@ class Distillation(EngineCallback):
     def install(self, model):
         # None on JAX, where there is no tf.distribute: variables are laid out by the
         # active keras.distribution (build the teacher in the same `distribution.scope()`).
-        strategy = backends.current("Distillation").distillation.model_strategy(model)
+        strategy = placement.training_strategy(model, "Distillation")
         teacher = self.teacher
         if teacher is not None:
             if teacher is model:

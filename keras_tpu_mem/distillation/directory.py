@@ -6,7 +6,7 @@ in host memory or written to a directory in parts of about `PART_BYTES` with
 `tf.data.Dataset.save`, next to `METADATA_FILE` (format, version, top_k,
 num_examples, parts); `load_directory` reads them back without the teacher.
 What touches tf.data or tf.distribute is the backend's
-(`backends.current().distillation`); this module is the format and the order.
+(`keras_tpu_mem.tf_data`, `devices.placement`); this module is the format and the order.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import os
 
 import keras
 
-from keras_tpu_mem import backends
+from keras_tpu_mem import events, tf_data
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.devices import placement
 from keras_tpu_mem.distillation.checks import check_top_k, check_top_k_classes, single_output
 from keras_tpu_mem.distillation.elements import is_cached_element, teacher_arrays
 from keras_tpu_mem.distillation.loss import top_k_logits
@@ -51,10 +52,9 @@ def _teacher_fn(teacher, top_k):
 
 def cache_dataset(teacher, dataset, *, top_k, path):
     """`cache_teacher_logits` of a tf.data.Dataset of batches (see its docstring)."""
-    seam = backends.current("cache_teacher_logits")
-    backend, gfile = seam.distillation, seam.storage.gfile
+    data, files = tf_data.functions(), events.gfile()
     top_k = check_top_k(top_k, teacher)
-    if backend.is_infinite(dataset):
+    if data.is_infinite(dataset):
         raise ValueError(
             "`dataset` is infinite (e.g. `.repeat()`); cache_teacher_logits iterates it "
             "once to the end. Pass the finite dataset and repeat the result instead."
@@ -63,13 +63,13 @@ def cache_dataset(teacher, dataset, *, top_k, path):
         raise ValueError("`dataset` already carries cached teacher logits.")
     if path is not None:
         path = os.fspath(path)
-        if backend.directory_in_use(path):
+        if data.directory_in_use(path):
             raise ValueError(
                 f"`path` {path!r} already exists and is not empty; choose a new directory "
                 "(the cache is never overwritten)."
             )
-        gfile.makedirs(path)
-    strategy = backend.active_strategy()
+        files.makedirs(path)
+    strategy = placement.active_strategy("cache_teacher_logits")
     if strategy is not None:
         if outside(teacher, strategy):
             # As for a live teacher: each replica should read variables that
@@ -84,8 +84,9 @@ def cache_dataset(teacher, dataset, *, top_k, path):
                        "then runs on its own strategy), or create or load the teacher "
                        "under that `strategy.scope()`.")
     else:
-        strategy = backend.model_strategy(teacher)
-    run = backend.replica_runner(_teacher_fn(teacher, top_k), strategy)
+        strategy = placement.training_strategy(teacher, "cache_teacher_logits")
+    run = placement.replica_runner(_teacher_fn(teacher, top_k), strategy,
+                                   "cache_teacher_logits")
     pending, pending_bytes, parts, total = [], 0, [], 0
 
     def flush():
@@ -93,14 +94,14 @@ def cache_dataset(teacher, dataset, *, top_k, path):
         if not pending:
             return
         name = f"part-{len(parts):05d}"
-        backend.save_examples(concat(pending), os.path.join(path, name))
+        data.save_examples(concat(pending), os.path.join(path, name))
         parts.append(name)
         pending, pending_bytes = [], 0
 
     for batch in dataset:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
         logits = run(x)
-        element = (backend.to_numpy(batch), logits)
+        element = (data.to_numpy(batch), logits)
         total += len(next(iter(logits.values())))
         pending.append(element)
         pending_bytes += nbytes(element)
@@ -111,26 +112,25 @@ def cache_dataset(teacher, dataset, *, top_k, path):
     logger.info("cache_teacher_logits: %d examples, %s.", total,
                 "all logits" if top_k is None else f"top {top_k} logits")
     if path is None:
-        return backend.examples_dataset(concat(pending))
+        return data.examples_dataset(concat(pending))
     flush()
     metadata = {"format": FORMAT, "version": VERSION, "top_k": top_k,
                 "num_examples": total, "parts": parts}
-    with gfile.GFile(os.path.join(path, METADATA_FILE), "w") as f:
+    with files.GFile(os.path.join(path, METADATA_FILE), "w") as f:
         json.dump(metadata, f, indent=1)
     return load_directory(path)
 
 
 def load_directory(path):
     """The dataset of single `(data, logits)` examples cached in the directory `path`."""
-    seam = backends.current("load_teacher_logits")
-    backend, gfile = seam.distillation, seam.storage.gfile
+    data, files = tf_data.functions(), events.gfile()
     meta_path = os.path.join(path, METADATA_FILE)
-    if not gfile.exists(meta_path):
+    if not files.exists(meta_path):
         raise ValueError(
             f"{path!r} holds no teacher-logit cache (no {METADATA_FILE}); write one with "
             "ktm.cache_teacher_logits(teacher, dataset, path=...)."
         )
-    with gfile.GFile(meta_path, "r") as f:
+    with files.GFile(meta_path, "r") as f:
         metadata = json.load(f)
     if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
         raise ValueError(
@@ -138,7 +138,7 @@ def load_directory(path):
             f"{VERSION} (found format={metadata.get('format')!r}, "
             f"version={metadata.get('version')!r})."
         )
-    return backend.load_examples([os.path.join(path, name) for name in metadata["parts"]],
+    return data.load_examples([os.path.join(path, name) for name in metadata["parts"]],
                                  metadata["num_examples"])
 
 

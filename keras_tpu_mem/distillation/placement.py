@@ -4,7 +4,7 @@ A teacher whose variables live outside the student's strategy (loaded before
 `strategy.scope()`, or trained on another strategy) would be read across
 devices at every step (on a TPU not assumed to work at all), so it runs as a
 frozen copy made under that strategy. Which strategy owns a variable is the
-backend's fact (`backends.current().distillation.variable_owner`): on JAX there
+backend's fact (`devices.placement.variable_owner`): on JAX there
 is no `tf.distribute`, every variable answers None, and the teacher is always
 used as it is (keras.distribution lays variables out).
 """
@@ -15,12 +15,8 @@ import contextlib
 
 import keras
 
-from keras_tpu_mem import backends
 from keras_tpu_mem._utils import logger
-
-
-def _backend():
-    return backends.current("Distillation").distillation
+from keras_tpu_mem.devices import placement
 
 
 def strategy_scope(strategy):
@@ -30,7 +26,7 @@ def strategy_scope(strategy):
 
 def outside(model, owner):
     """Paths of the model's variables not distributed by `owner` (None: plain variables)."""
-    owner_of = _backend().variable_owner
+    owner_of = placement.variable_owner
     return [v.path for v in model.weights if owner_of(v) is not owner]
 
 
@@ -40,7 +36,7 @@ def student_owner(student):
     A student with mixed variables (some made under a strategy, some not) gives
     nothing sensible to compare a teacher with.
     """
-    owner_of = _backend().variable_owner
+    owner_of = placement.variable_owner
     owners = {id(owner_of(v)): owner_of(v) for v in student.weights}
     if len(owners) != 1:
         return False, None

@@ -3,15 +3,15 @@
 bfloat16 is native on TPUs. On CPUs and on GPUs without bfloat16 tensor cores
 (compute capability below 8.0) it runs and halves activation memory, but
 matrix products are not faster there; `MixedBFloat16` says so once in the log.
-Which devices run comes from `keras_tpu_mem.devices`; what only the backend
-knows (its GPUs' compute capabilities, how it runs bfloat16 on a CPU) from
-`backends.current().precision`.
+Which devices run, their GPUs' compute capabilities and how the backend runs a
+bfloat16 matrix product on a CPU come from `keras_tpu_mem.devices`.
 """
 
 from __future__ import annotations
 
-from keras_tpu_mem import backends, devices
+from keras_tpu_mem import devices
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.devices import placement
 
 __all__ = ["device_notice"]
 
@@ -57,13 +57,13 @@ def device_notice(strategy=None) -> str | None:
     print(ktm.device_notice())   # e.g. "bfloat16 on CPU (...): it runs and ..."
     ```
     """
-    backend = backends.current("device_notice").precision
-    kinds = backend.device_kinds(strategy, devices)
+    running = devices.replica_devices(strategy)
+    kinds = {devices.device_platform(device) for device in running}
     if "TPU" in kinds:
         return None
     if "GPU" in kinds:
         slow = [f"{name} (compute capability {capability})"
-                for name, capability in backend.gpus(strategy, devices)
+                for name, capability in devices.gpu_capabilities(running)
                 if _capability(capability) < (8, 0)]
         if not slow:
             return None
@@ -74,12 +74,22 @@ def device_notice(strategy=None) -> str | None:
     support = (f"this CPU has {', '.join(flags)}" if flags else
                "this CPU has no bfloat16 instructions" if flags is not None
                else "bfloat16 support of this CPU unknown")
-    return backend.cpu_notice(support, bool(flags))
+    matmul = devices.cpu_bfloat16_matmul(bool(flags))
+    if matmul == "float32":
+        return (f"bfloat16 on CPU ({support}): it runs and halves activation memory; XLA on "
+                "CPU computes bfloat16 matrix products in float32, so it is not faster "
+                "there. On a TPU it is native.")
+    if matmul == "bfloat16":
+        return (f"bfloat16 on CPU ({support}): it runs and halves activation memory; on a "
+                "TPU it is native. XLA on CPU (jit_compile=True) upcasts bfloat16 matrix "
+                "products to float32.")
+    return (f"bfloat16 on CPU ({support}): it runs, emulated, usually slower than "
+            "float32; on a TPU it is native.")
 
 
 def log_device_notice(model) -> None:
     """Logs `device_notice` for the devices `model` trains on, once per process."""
-    message = device_notice(backends.current().precision.training_strategy(model))
+    message = device_notice(placement.training_strategy(model, "MixedBFloat16"))
     if message and message not in _NOTICES:
         _NOTICES.add(message)
         logger.info(message)

@@ -7,7 +7,7 @@ One module per job:
 * `masks`: the mask math (k-th largest by bisection, blocks, N:M), pure `keras.ops`;
 * `selection`: which layers and weights are pruned (`find_prunable_weights`);
 * `callback`: `Pruning`, the `fit` callback that applies the masks inside the
-  step (its backend parts: `keras_tpu_mem/backends/<name>/pruning.py`);
+  step (what differs between backends: the `StepContext` verbs it calls);
 * `export`: `strip_pruning`;
 * `report`: `sparsity_report`, `SparsityReport`, `WeightSparsity`.
 """

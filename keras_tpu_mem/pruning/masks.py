@@ -13,7 +13,7 @@ backend's: two pooled blocks within one ulp of the threshold could then be
 ordered differently (MAX pooling and unstructured/N:M masks are exact).
 
 Importing this module never imports TensorFlow or JAX: `apply_mask` asks the
-running backend (`backends.current().pruning`) only for a float mask, which
+running backend (`StepContext.masked`) only for a float mask, which
 TensorFlow applies with its `multiply_no_nan` kernel.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from keras_tpu_mem import backends
+from keras_tpu_mem.backends.step import StepContext
 
 ops = keras.ops
 
@@ -245,13 +245,13 @@ def apply_mask(value, mask):
 
     A bool mask selects (`where`), which XLA fuses into the optimizer's update.
     A float mask (the TensorFlow engine without XLA stores masks in the weight's
-    dtype) is the backend's `apply_float_mask`: TensorFlow multiplies with
+    dtype) is the step context's `masked`: TensorFlow multiplies with
     `multiply_no_nan`, about 3x faster there than its select kernel, and also
     exact +0.0 over inf/NaN; JAX selects with `where` for both.
     """
     if keras.backend.standardize_dtype(mask.dtype) == "bool":
         return ops.where(mask, value, ops.zeros((), value.dtype))
-    return backends.current().pruning.apply_float_mask(value, mask)
+    return StepContext.outside().masked(value, mask)
 
 
 def smallest_kept(value, mask, block_size=(1, 1), pooling="AVG"):

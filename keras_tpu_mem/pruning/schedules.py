@@ -26,7 +26,7 @@ import numbers
 import keras
 import numpy as np
 
-from keras_tpu_mem import backends
+from keras_tpu_mem.backends.step import StepContext
 
 ops = keras.ops
 
@@ -277,17 +277,17 @@ def check_schedule(schedule):
             f"step -> (should_prune, sparsity); got {schedule!r} "
             f"({type(schedule).__name__})."
         )
-    backend = backends.current("ktm.Pruning")
-    if not backend.pruning.RUNS_TENSORFLOW_OPS and _is_tfmot(schedule):
+    ctx = StepContext.outside()
+    if not ctx.runs_tensorflow_ops() and _is_tfmot(schedule):
         raise TypeError(
             f"`schedule` {schedule!r} is a tfmot schedule, which runs TensorFlow ops: it "
             f"works with the TensorFlow backend only, and the Keras backend is "
-            f"{backend.name!r}. Use ktm.{type(schedule).__name__} with the same "
+            f"{ctx.backend_label}. Use ktm.{type(schedule).__name__} with the same "
             "arguments (ktm.ConstantSparsity / ktm.PolynomialDecay give tfmot's values)."
         )
     # The step as the training step gives it (optimizer.iterations: int64 on
     # TensorFlow; JAX without x64 has no int64, so int32 there).
-    step_dtype = backend.pruning.STEP_DTYPE
+    step_dtype = ctx.update_count_dtype()
     try:
         result = schedule(ops.convert_to_tensor(1, dtype=step_dtype))
     except Exception as err:

@@ -87,3 +87,18 @@ def memory_stats(device) -> dict | None:
 
 def reset_peak(device) -> bool:
     return False
+
+
+def gpu_capabilities(devices) -> list[tuple[str, str]]:
+    """`(name, "major.minor")` of each GPU among `devices` whose compute capability
+    JAX tells."""
+    return sorted({(device.device_kind, str(capability)) for device in devices
+                   for capability in [getattr(device, "compute_capability", None)]
+                   if capability is not None})
+
+
+def cpu_bfloat16_matmul(native: bool) -> str:
+    """How this backend computes a bfloat16 matrix product on a CPU: every JAX
+    computation goes through XLA, whose CPU backend computes it in float32, with or
+    without bfloat16 instructions (`native`)."""
+    return "float32"

@@ -287,3 +287,29 @@ class Placement:
                 f"{len(self.devices)} device(s) ({self.num_replicas} data-parallel), on "
                 f"{device_name}")
 
+
+# ----------------------------------------------------------- placement
+# Contract: as in `backends/tensorflow/strategy.py`. On JAX variables are laid
+# out by the active `keras.distribution`, not by a strategy: a model has no
+# strategy, no variable an owner, no strategy is active; a teacher always runs as
+# it is.
+
+
+def training_strategy(model):
+    return None
+
+
+def variable_owner(variable):
+    return None
+
+
+def active_strategy():
+    return None
+
+
+def replica_runner(fn, strategy):
+    raise ValueError(
+        "cache_teacher_logits runs the teacher on a tf.data.Dataset under tf.distribute, "
+        "which needs the Keras TensorFlow backend. On JAX pass arrays instead, "
+        "cache_teacher_logits(teacher, (x, y), batch_size=...), which returns a "
+        "ktm.TeacherLogits PyDataset (saved with path='....npz').")

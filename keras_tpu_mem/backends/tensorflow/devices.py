@@ -122,3 +122,23 @@ def reset_peak(device: str) -> bool:
     except (ValueError, RuntimeError, tf.errors.OpError):
         return False
     return True
+
+
+def gpu_capabilities(devices) -> list[tuple[str, str]]:
+    """`(name, "major.minor")` of each GPU whose compute capability TensorFlow tells:
+    it tells those of the physical GPUs, whichever `devices` the replicas use."""
+    found = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        capability = details.get("compute_capability")
+        if capability is not None:
+            found.append((details.get("device_name", gpu.name),
+                          f"{capability[0]}.{capability[1]}"))
+    return found
+
+
+def cpu_bfloat16_matmul(native: bool) -> str:
+    """How this backend computes a bfloat16 matrix product on a CPU: TensorFlow's own
+    kernels use the CPU's bfloat16 instructions (oneDNN) where it has them
+    (`native`), and emulate bfloat16 where it does not."""
+    return "bfloat16" if native else "emulated"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -314,3 +315,65 @@ class Placement:
     def announcement(self, device_name: str) -> str:
         return (f"TPUStrategyWrapper: {type(self.strategy).__name__} with "
                 f"{self.num_replicas} replica(s) on {device_name}")
+
+
+# ----------------------------------------------------------- placement
+# Where a model's variables live and how a function runs on every replica: what
+# the distillation teacher's placement and logits cache, and the bfloat16 notice,
+# read (the same functions in `backends/jax/strategy.py`):
+# `training_strategy(model)`, `variable_owner(variable)` (the strategy a Keras
+# variable is distributed by, None for a plain one), `active_strategy()` (the
+# strategy whose scope is entered, None outside any), `replica_runner(fn,
+# strategy)` (`call(x) -> dict of numpy arrays`, `fn` compiled on every replica,
+# each on its slice of the batch, results in batch order).
+
+def training_strategy(model):
+    """The strategy `model`'s variables are made under and it trains under."""
+    return model.distribute_strategy
+
+
+def variable_owner(variable):
+    # The TensorFlow variable behind a Keras variable.
+    tf_var = variable.value if isinstance(variable, keras.Variable) else variable
+    if isinstance(tf_var, tf.distribute.DistributedValues):
+        return tf_var.distribute_strategy
+    return None
+
+
+def active_strategy():
+    return tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+
+
+def replica_runner(fn, strategy):
+    replicas = strategy.num_replicas_in_sync
+
+    @tf.function(reduce_retracing=True, autograph=False)
+    def run(per_replica_x):
+        return strategy.run(fn, args=(per_replica_x,))
+
+    def call(x):
+        size = int(tf.shape(tf.nest.flatten(x)[0])[0])
+        per = -(-size // replicas)
+        pad = per * replicas - size
+
+        def padded(t):
+            t = tf.convert_to_tensor(t)
+            if pad:
+                t = tf.concat([t, tf.repeat(t[-1:], pad, axis=0)], axis=0)
+            return t
+
+        x = tf.nest.map_structure(padded, x)
+        if replicas == 1:
+            per_replica = x
+        else:
+            per_replica = strategy.experimental_distribute_values_from_function(
+                lambda ctx: tf.nest.map_structure(
+                    lambda t: t[ctx.replica_id_in_sync_group * per:
+                                (ctx.replica_id_in_sync_group + 1) * per], x))
+        outputs = run(per_replica)
+        # Replica results in replica order: the order of the batch's slices.
+        return {k: np.concatenate([t.numpy() for t in strategy.experimental_local_results(v)],
+                                  axis=0)[:size]
+                for k, v in outputs.items()}
+
+    return call
