@@ -36,6 +36,19 @@ if not logger.handlers:
     logger.setLevel(logging.INFO)
 
 
+#: The keys of the notices `log_once` has logged in this process.
+_LOGGED: set[str] = set()
+
+
+def log_once(key: str, level: int, message: str, *args) -> None:
+    """Logs `message % args` at `level` the first time `key` is seen in this process:
+    a notice about the installation or the devices is said once, not once per fit."""
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    logger.log(level, message, *args)
+
+
 def check_positive_int(value, name: str) -> int:
     """Returns `value` if it is an int >= 1 (bools refused), else raises naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -20,7 +20,7 @@ import monitoring_cases as cases
 import pytest
 from helpers_jax import make_distribution, scope
 
-from keras_tpu_mem import devices
+from keras_tpu_mem import _utils, devices
 from keras_tpu_mem import monitoring as mon
 from keras_tpu_mem.monitoring import _writer
 
@@ -123,7 +123,7 @@ def test_resume_with_backup_and_restore_continues_the_step_axis(tmp_path, ktm_re
 
 def test_without_tensorboard_the_timeline_is_still_written(tmp_path, monkeypatch, ktm_records):
     monkeypatch.setattr(_writer, "_event_writer_class", lambda: None)
-    monkeypatch.setattr(_writer, "_NOTICES", set())
+    monkeypatch.setattr(_utils, "_LOGGED", set())
     x, y = cases.random_data(128)
     model = cases.compile_model(cases.small_mlp())
     model.fit(x, y, batch_size=32, epochs=1, verbose=0,

@@ -6,22 +6,23 @@ import logging
 
 from precision_models import BATCH, compiled, digits_mlp
 
+from keras_tpu_mem import _utils
 from keras_tpu_mem.precision import MixedBFloat16, notice
 
 
 def test_device_notice_once_on_cpu(digits, monkeypatch):
     (x, y), _ = digits
-    monkeypatch.setattr(notice, "_NOTICES", set())
+    monkeypatch.setattr(_utils, "_LOGGED", set())
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    notice.logger.addHandler(handler)
+    _utils.logger.addHandler(handler)
     try:
         for _ in range(2):
             model = compiled(digits_mlp())
             model.fit(x[:BATCH], y[:BATCH], epochs=1, verbose=0, callbacks=[MixedBFloat16()])
     finally:
-        notice.logger.removeHandler(handler)
+        _utils.logger.removeHandler(handler)
     notices = [r.getMessage() for r in records if "bfloat16 on CPU" in r.getMessage()]
     assert len(notices) == 1
     summaries = [r.getMessage() for r in records if r.getMessage().startswith("MixedBFloat16:")]

@@ -7,6 +7,7 @@ import sys
 
 from profiling_models import digits_model, messages, xplanes
 
+from keras_tpu_mem import _utils
 from keras_tpu_mem.profiling import ProfileWindow
 from keras_tpu_mem.profiling import summary as summary_module
 
@@ -36,7 +37,7 @@ def test_window_without_xprof_writes_the_capture_and_names_the_extra_once(
         monkeypatch.setitem(sys.modules, name, None)  # `import xprof` fails, as uninstalled
     monkeypatch.setattr(summary_module, "_find_converter",
                         lambda: (None, "no XSpace converter could be imported (test)"))
-    monkeypatch.setattr(summary_module, "_NOTICES", set())
+    monkeypatch.setattr(_utils, "_LOGGED", set())
     assert profiler_compat.profile_plugin_installed() is False
     (x, y), _ = digits
     log_dir = str(tmp_path / "logs")

@@ -15,6 +15,7 @@ import textwrap
 import pytest
 from profiling_models import messages, random_data, small_model, xplanes
 
+from keras_tpu_mem import _utils
 from keras_tpu_mem.profiling import ProfileWindow, executed_xla_modules
 from keras_tpu_mem.profiling import summary as summary_module
 
@@ -63,7 +64,7 @@ def test_the_modules_that_ran_are_read_without_tensorflow(tmp_path):
 def test_without_a_converter_the_summary_is_a_note(tmp_path, monkeypatch, ktm_records):
     monkeypatch.setattr(summary_module, "_find_converter",
                         lambda: (None, "no XSpace converter could be imported (test)"))
-    monkeypatch.setattr(summary_module, "_NOTICES", set())
+    monkeypatch.setattr(_utils, "_LOGGED", set())
     x, y = random_data()
     window = ProfileWindow(str(tmp_path), steps=(1, 3))
     small_model().fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[window])

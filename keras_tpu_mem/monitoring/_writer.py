@@ -12,16 +12,15 @@ adds the events.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import threading
 import time
 
 from keras_tpu_mem import backends
-from keras_tpu_mem._utils import logger
+from keras_tpu_mem._utils import log_once
 from keras_tpu_mem.monitoring._layout import SUMMARY_FILE, TIMELINE_FILE
-
-_NOTICES: set[str] = set()
 
 
 def _event_writer_class():
@@ -36,10 +35,8 @@ def _event_writer_class():
 
 
 def _notice_no_tensorboard(directory: str) -> None:
-    if "tensorboard" in _NOTICES:
-        return
-    _NOTICES.add("tensorboard")
-    logger.warning(
+    log_once(
+        "no tensorboard", logging.WARNING,
         "keras_tpu_mem monitors: the `tensorboard` package is not installed, so no "
         "TensorBoard events are written (first under %s); timeline.jsonl and summary.json, "
         "which `keras-tpu-mem report` reads, are. `pip install tensorboard` adds the events.",

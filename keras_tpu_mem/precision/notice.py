@@ -9,14 +9,14 @@ bfloat16 matrix product on a CPU come from `keras_tpu_mem.devices`.
 
 from __future__ import annotations
 
+import logging
+
 from keras_tpu_mem import devices
-from keras_tpu_mem._utils import logger
+from keras_tpu_mem._utils import log_once
 from keras_tpu_mem.devices import placement
 
 __all__ = ["device_notice"]
 
-# Notices already logged in this process: each is said once, not once per fit.
-_NOTICES: set[str] = set()
 
 
 def _cpu_bf16_flags() -> list[str] | None:
@@ -90,6 +90,5 @@ def device_notice(strategy=None) -> str | None:
 def log_device_notice(model) -> None:
     """Logs `device_notice` for the devices `model` trains on, once per process."""
     message = device_notice(placement.training_strategy(model, "MixedBFloat16"))
-    if message and message not in _NOTICES:
-        _NOTICES.add(message)
-        logger.info(message)
+    if message:
+        log_once(message, logging.INFO, "%s", message)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,7 +31,7 @@ import tempfile
 
 from keras_tpu_mem import backends, devices
 from keras_tpu_mem._compat import profiler as profiler_compat
-from keras_tpu_mem._utils import logger
+from keras_tpu_mem._utils import log_once
 
 
 def _find_converter():
@@ -186,15 +187,12 @@ def executed_xla_modules(xplane_path: str) -> set[str] | None:
     return names
 
 
-_NOTICES: set[str] = set()
 
 
 def _notice_missing_converter(reason: str) -> None:
     """Says once per process that the summary needs xprof, and which extra adds it."""
-    if "converter" in _NOTICES:
-        return
-    _NOTICES.add("converter")
-    logger.info(
+    log_once(
+        "no xprof converter", logging.INFO,
         "ProfileWindow: the capture is written, but its summary (step time, XLA peak heap) "
         "needs xprof's converters, which are not installed: %s adds them (%s).",
         profiler_compat.PROFILE_EXTRA, reason)

@@ -49,6 +49,11 @@ class WeightSparsity:
         return min(self.dense_bytes, self.csr_bytes, self.bitmask_bytes)
 
 
+def _total(field: str, doc: str) -> property:
+    """A property summing `field` over a report's weights."""
+    return property(lambda report: sum(getattr(w, field) for w in report.weights), doc=doc)
+
+
 @dataclass
 class SparsityReport:
     """Per-weight and total sparsity of a model's prunable weights.
@@ -61,27 +66,16 @@ class SparsityReport:
     weights: list[WeightSparsity] = field(default_factory=list)
     model_bytes: int = 0
 
-    @property
-    def size(self) -> int:
-        return sum(w.size for w in self.weights)
-
-    @property
-    def zeros(self) -> int:
-        return sum(w.zeros for w in self.weights)
+    size = _total("size", "Entries of all prunable weights.")
+    zeros = _total("zeros", "Entries equal to 0 over all prunable weights.")
+    dense_bytes = _total("dense_bytes", "Prunable weights stored densely.")
+    sparse_bytes = _total("best_bytes", "Prunable weights stored each in its smallest "
+                                        "format (dense, CSR, bitmask).")
 
     @property
     def sparsity(self) -> float:
         """Fraction of zeros over all prunable weights."""
         return self.zeros / self.size if self.size else 0.0
-
-    @property
-    def dense_bytes(self) -> int:
-        return sum(w.dense_bytes for w in self.weights)
-
-    @property
-    def sparse_bytes(self) -> int:
-        """Prunable weights stored each in its smallest format (dense, CSR, bitmask)."""
-        return sum(w.best_bytes for w in self.weights)
 
     @property
     def saved_bytes(self) -> int:
