@@ -13,13 +13,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
-
-import keras
-import numpy as np
 
 from keras_tpu_mem import backends, devices
 from keras_tpu_mem._utils import check_positive_int, logger, unique
+from keras_tpu_mem.devices.units import tensor_bytes
 from keras_tpu_mem.sharding.distribution import ShardedDataParallel, sharding_concern
 from keras_tpu_mem.sharding.rule import check_shard
 
@@ -288,7 +285,7 @@ class TPUStrategyWrapper:
                  if id(v) not in {id(w) for w in weights}]
         held_w = self._placement.state_bytes(weights)
         held_o = self._placement.state_bytes(slots)
-        whole = sum(_full_bytes(v) for v in [*weights, *slots])
+        whole = sum(tensor_bytes(v) for v in [*weights, *slots])
         share = (held_w + held_o) / whole if whole else 1.0
         return (f"model state per device: {devices.format_bytes(held_w + held_o)} "
                 f"(weights {devices.format_bytes(held_w)}, optimizer "
@@ -309,8 +306,3 @@ def check_sharding(sharding):
     except ValueError:
         raise ValueError(f'`sharding` must be "all", "optimizer" or None, got '
                          f"{sharding!r}.") from None
-
-
-def _full_bytes(variable) -> int:
-    itemsize = np.dtype(keras.backend.standardize_dtype(variable.dtype)).itemsize
-    return int(math.prod(tuple(variable.shape))) * itemsize

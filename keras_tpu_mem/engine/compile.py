@@ -13,7 +13,7 @@ import keras
 
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem.engine.core import Engine
-from keras_tpu_mem.engine.feature import Feature, overrides
+from keras_tpu_mem.engine.feature import Feature, in_step_order, overrides
 
 # True while `compile_context` installs features for a trace (a planning compile,
 # not a fit): what a feature says about its install in the log belongs to a fit.
@@ -75,7 +75,7 @@ def compile_context(model, features):
     if engine._installed and engine.features:
         raise RuntimeError("The model is inside a fit with keras_tpu_mem features; "
                            "compile its step before or after the fit.")
-    features = sorted({f.name: f for f in features}.values(), key=lambda f: (f.order, f.name))
+    features = in_step_order({f.name: f for f in features}.values())
     layers = keras_compat.flatten_layers(model, include_self=True)
     policies = [(layer, layer.dtype_policy) for layer in layers]
     # Keras callbacks keep their model in `_model`; set it without `set_model`,

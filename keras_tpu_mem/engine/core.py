@@ -27,7 +27,7 @@ import keras
 from keras_tpu_mem import _compat, backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
-from keras_tpu_mem.engine.feature import Feature, overrides
+from keras_tpu_mem.engine.feature import Feature, in_step_order, overrides
 
 _ = _compat  # the package docstring says where internals live
 
@@ -222,7 +222,7 @@ class Engine:
 
     def _make_inner_train_function(self, force: bool):
         model = self.model
-        features = sorted(self._pending.values(), key=lambda f: (f.order, f.name))
+        features = in_step_order(self._pending.values())
         self._pending = {}
         previous = [f for f in self.features if f not in features]
         for feature in previous:  # features of an earlier, interrupted fit

@@ -162,6 +162,12 @@ class Feature:
         return None
 
 
+def in_step_order(features) -> list:
+    """`features` in the order the step runs them: by `order`, then `name` (the
+    order of a callbacks list never matters)."""
+    return sorted(features, key=lambda f: (f.order, f.name))
+
+
 def overrides(model, method: str) -> bool:
     """Whether the model's class overrides a method of Keras' backend trainer."""
     base = keras_compat.backend_trainer_class()

@@ -25,13 +25,13 @@ import keras
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int, logger
+from keras_tpu_mem.devices.units import dtype_bytes
 from keras_tpu_mem.engine.compile import compile_context
 from keras_tpu_mem.engine.core import Engine
-from keras_tpu_mem.engine.feature import Feature
+from keras_tpu_mem.engine.feature import Feature, in_step_order
 from keras_tpu_mem.planning.memory import CompiledMemory
 from keras_tpu_mem.planning.specs import (
     _check_model,
-    _dtype_size,
     _unique,
     infer_data_specs,
     sample_structures,
@@ -83,7 +83,7 @@ def _build_for(model, xs, ys):
 
 
 def _sorted(features):
-    return sorted(features, key=lambda f: (f.order, f.name))
+    return in_step_order(features)
 
 
 def _micro_batches(model, features, per_replica_batch: int) -> int:
@@ -98,7 +98,7 @@ def _device_bytes(items, backend, variables: bool = True) -> int:
     """Bytes one device holds of variables (deduplicated) or of data specs."""
     items = _unique(items) if variables else items
     return sum(int(math.prod(backend.device_shape(item.shape, item if variables else None)))
-               * _dtype_size(item.dtype) for item in items)
+               * dtype_bytes(item.dtype) for item in items)
 
 
 class Compiler:

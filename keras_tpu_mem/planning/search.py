@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_tpu_mem import backends, devices
+from keras_tpu_mem.engine.feature import in_step_order
 from keras_tpu_mem.planning.budget import (
     ActivationModel,
     divisors,
@@ -562,7 +563,7 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
                                                  active_distribution())
     if progress is not None:
         progress(calls[0], calls[0], None)
-    names = tuple(type(f).__name__ for f in sorted(features, key=lambda f: (f.order, f.name)))
+    names = tuple(type(f).__name__ for f in in_step_order(features))
     bf16 = _has(features, "compute_policy")
     notes = list(notes) + search_notes
     own_precision = model_precision(user_model)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import re
 
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int
+from keras_tpu_mem.devices.units import tensor_bytes
 
 
 # --------------------------------------------------------------------------
@@ -25,20 +25,8 @@ def _check_model(model, what: str):
         )
 
 
-def _dtype_size(dtype) -> int:
-    import numpy as np
-
-    name = str(getattr(dtype, "name", dtype))
-    if name == "bfloat16":
-        return 2
-    return int(np.dtype(name).itemsize)
-
-
 def _variable_bytes(variables) -> int:
-    total = 0
-    for v in variables:
-        total += int(math.prod(int(d) for d in v.shape)) * _dtype_size(v.dtype)
-    return total
+    return sum(tensor_bytes(v) for v in variables)
 
 
 def _unique(variables):
@@ -281,9 +269,6 @@ def infer_data_specs(model, batch_size: int, x_spec=None, y_spec=None, sample_ba
 def _spec_bytes(structure) -> int:
     import keras
 
-    return sum(
-        int(math.prod(int(d) for d in s.shape)) * _dtype_size(s.dtype)
-        for s in keras.tree.flatten(structure)
-    )
+    return sum(tensor_bytes(s) for s in keras.tree.flatten(structure))
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
+from keras_tpu_mem.devices.units import tensor_bytes
 from keras_tpu_mem.pruning.selection import find_prunable_weights
 
 
@@ -158,9 +159,7 @@ def sparsity_report(model, *, layers=None, compressed: bool = False) -> Sparsity
     if not isinstance(model, keras.Model):
         raise TypeError(f"sparsity_report expects a keras.Model, got {type(model).__name__}.")
     report = SparsityReport()
-    report.model_bytes = int(sum(
-        np.prod(v.shape) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
-        for v in model.weights))
+    report.model_bytes = sum(tensor_bytes(v) for v in model.weights)
     for w in find_prunable_weights(model, layers):
         value = keras.ops.convert_to_numpy(w.variable.value)
         size = int(value.size)

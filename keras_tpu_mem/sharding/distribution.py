@@ -29,6 +29,7 @@ import numpy as np
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.devices.units import dtype_bytes
 from keras_tpu_mem.engine.core import engage
 from keras_tpu_mem.sharding.rule import (
     check_min_shard_bytes,
@@ -50,10 +51,6 @@ def sharding_concern(what: str):
     if not backend.shards_state():
         backend.sharding.refuse(what)
     return backend.sharding
-
-
-def _itemsize(dtype) -> int:
-    return np.dtype(keras.backend.standardize_dtype(dtype)).itemsize
 
 
 def _names(axis) -> tuple:
@@ -177,7 +174,7 @@ class ShardedDataParallel(keras.distribution.ModelParallel):
         if not split or any(self.axis_name in _names(a) for a in axes):
             return tuple(axes)
         taken = {i for i, a in enumerate(axes) if a is not None}
-        dim = shard_dim(shape, _itemsize(dtype), self.axis_size, self.min_shard_bytes, taken)
+        dim = shard_dim(shape, dtype_bytes(dtype), self.axis_size, self.min_shard_bytes, taken)
         if dim is not None:
             axes[dim] = self.axis_name
         elif shape and self.axis_size > 1 and not has_divisible_dim(shape, self.axis_size,
