@@ -19,19 +19,12 @@ import numpy as np
 
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem.backends.mesh import data_parallel_size
 from keras_tpu_mem.sharding.distribution import ShardedDataParallel
 from keras_tpu_mem.sharding.layouts import proposed_layouts
 
 #: State split modes, least communication first (None: replicated).
 MODES = (None, "optimizer", "all")
-
-
-def _data_axis_size(distribution) -> int:
-    mesh = distribution.device_mesh
-    names = list(mesh.axis_names)
-    if distribution.batch_dim_name not in names:
-        return 1
-    return int(mesh.shape[names.index(distribution.batch_dim_name)])
 
 
 def sharding_options(distribution) -> list:
@@ -52,7 +45,7 @@ def sharding_options(distribution) -> list:
         own = None
     options = [(own, distribution)]
     if (distribution is None or not backends.current("plan").compiled.SHARDING_LEVER
-            or _data_axis_size(distribution) < 2):
+            or data_parallel_size(distribution) < 2):
         return options
     layout_map = keras_compat.distribution_layout_map(distribution)
     if layout_map is not None and not len(layout_map):

@@ -29,6 +29,7 @@ import numpy as np
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.backends.mesh import axis_size
 from keras_tpu_mem.devices.units import dtype_bytes
 from keras_tpu_mem.engine.core import engage
 from keras_tpu_mem.sharding.rule import (
@@ -150,7 +151,7 @@ class ShardedDataParallel(keras.distribution.ModelParallel):
         self.shard = shard
         self.axis_name = axis_name
         self.min_shard_bytes = min_shard_bytes
-        self.axis_size = int(mesh.shape[list(mesh.axis_names).index(axis_name)])
+        self.axis_size = axis_size(mesh, axis_name)
         self._pending = {}     # replicated variables not yet logged: path -> shape
         self._reported = set()
         self._proposed = {}    # id(variable) -> layout while a plan compiles (`propose`)

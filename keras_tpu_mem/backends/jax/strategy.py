@@ -30,6 +30,7 @@ import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem.backends.jax import sharding
+from keras_tpu_mem.backends.mesh import axis_size
 
 _PLATFORM_KIND = {"tpu": "TPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "cpu": "CPU"}
 
@@ -232,7 +233,7 @@ class Placement:
         """Data-parallel shards of the batch (devices on the mesh's batch axis)."""
         mesh = self.distribution.device_mesh
         name = getattr(self.distribution, "batch_dim_name", None) or mesh.axis_names[0]
-        return int(mesh.shape[mesh.axis_names.index(name)])
+        return axis_size(mesh, name)
 
     def scope(self):
         return self.distribution.scope()
