@@ -153,6 +153,22 @@ def _running_context():
     return backends.current("keras_tpu_mem's step").context
 
 
+def micro_batch_count(features, per_replica_batch) -> int:
+    """The micro-batches one update's batch is split into: the first count a feature
+    gives (at most one feature gives one; the engine checks), else 1.
+
+    Args:
+        features: The step's features, in step order.
+        per_replica_batch: The per-replica batch (a Python int), or None where only
+            the run knows it (then a count only where a feature fixes it).
+    """
+    for feature in features:
+        count = feature.micro_batches(per_replica_batch)
+        if count is not None:
+            return count
+    return 1
+
+
 def check_pulled_micro_batches(model, k: int) -> None:
     """The settings `GradientAccumulation(k, dataset_yields="micro_batches")` needs,
     checked alike by both trainers: a built model, and a `steps_per_execution`
@@ -170,4 +186,5 @@ def check_pulled_micro_batches(model, k: int) -> None:
             "build it (an `Input` layer, or call it once on a batch) before `fit`.")
 
 
-__all__ = ["MICRO_BATCH_SPLIT", "StepContext", "check_pulled_micro_batches"]
+__all__ = ["MICRO_BATCH_SPLIT", "StepContext", "check_pulled_micro_batches",
+           "micro_batch_count"]

@@ -27,6 +27,7 @@ import keras
 from keras_tpu_mem import _compat, backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.backends.step import micro_batch_count
 from keras_tpu_mem.engine.feature import Feature, in_step_order, overrides
 
 _ = _compat  # the package docstring says where internals live
@@ -324,11 +325,8 @@ class Engine:
 
     # ------------------------------------------------------------ the step
     def micro_batch_count(self, per_replica_batch):
-        for feature in self.features:
-            count = feature.micro_batches(per_replica_batch)
-            if count is not None:
-                return count
-        return 1
+        """The micro-batch count of this engine's features (`step.micro_batch_count`)."""
+        return micro_batch_count(self.features, per_replica_batch)
 
     @staticmethod
     def has_hook(feature, method: str) -> bool:
