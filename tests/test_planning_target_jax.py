@@ -272,7 +272,7 @@ def test_sharded_state_on_a_tpu_is_left_to_xla_tpus_partitioner():
     """Without features, state split over the batch axis compiles as Keras' own step on
     a TPU mesh (XLA:TPU reduce-scatters itself and holds less than the engine's
     shard_map step), and as the engine's step on host devices (XLA:CPU all-reduces)."""
-    from keras_tpu_mem.backends.jax import trainer_sharded
+    from keras_tpu_mem.backends.jax import layout
     from keras_tpu_mem.planning.compiled import step_memory
     from keras_tpu_mem.sharding import ShardedDataParallel
 
@@ -280,9 +280,9 @@ def test_sharded_state_on_a_tpu_is_left_to_xla_tpus_partitioner():
     with host.scope(), shapes_only():
         model = _mlp(4096, 4)
     target, _ = target_module.resolve("v5e-8", "tpu", "test")
-    assert trainer_sharded.partitioner_shards_state(
+    assert layout.partitioner_shards_state(
         target_module.target_distribution(target, host))
-    assert not trainer_sharded.partitioner_shards_state(host)
+    assert not layout.partitioner_shards_state(host)
     with host.scope():
         planned = ktm.compiled_memory(model, 256, device="v5e-8", hlo_text=True)
         spmd = step_memory(model, 256, step="keras", device="v5e-8")
@@ -298,17 +298,16 @@ def test_accumulation_under_sharded_state_on_a_tpu_gathers_once(monkeypatch):
     each weight once and reduce-scatters the sums once (`scatters_in_loop()` is False there,
     True on the host's mesh): XLA:TPU holds less per chip than for the loop that scatters
     every micro-batch (4.50 against 3.39 GiB for 8 x Dense(8192) on v5e-16)."""
-    from keras_tpu_mem.backends.jax.trainer_sharded import ShardMapGradients
+    from keras_tpu_mem.backends.jax import reducers
 
     accumulate = [ktm.GradientAccumulation(2)]
     with ktm.ShardedDataParallel(jax.devices()[:8]).scope():
-        assert ShardMapGradients.scatter_in_loop
-        assert ShardMapGradients.scatters_in_loop(object.__new__(ShardMapGradients))
+        assert reducers.scatters_in_loop()
         # A model each: the compile cache keys on the step and layouts, not the loop.
         with shapes_only():
             once = ktm.compiled_memory(_mlp(4096, 4), 256, device="v5e-8",
                                        callbacks=accumulate, hlo_text=False)
-            monkeypatch.setattr(ShardMapGradients, "scatters_in_loop", lambda self: True)
+            monkeypatch.setattr(reducers, "scatters_in_loop", lambda distribution=None: True)
             in_loop = ktm.compiled_memory(_mlp(4096, 4), 256, device="v5e-8",
                                           callbacks=accumulate, hlo_text=False)
     assert once.compiler.startswith("XLA:TPU") and in_loop.compiler.startswith("XLA:TPU")

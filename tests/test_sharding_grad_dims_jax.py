@@ -9,7 +9,7 @@ import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem.backends.jax.trainer_sharded import make_state_layout
+from keras_tpu_mem.backends.jax.layout import make_state_layout
 
 
 def _two_kernels_of_one_shape():

@@ -1,4 +1,4 @@
-"""`model_state_layout` (`backends/jax/trainer_sharded.py`): None only where the state
+"""`model_state_layout` (`backends/jax/layout.py`): None only where the state
 cannot be sharded (no distribution, no optimizer) or is not; state it cannot read
 raises, so a sharded model never runs the unsharded step without a word (issue 29,
 defect 3)."""
@@ -10,7 +10,7 @@ import pytest
 from sharding_step_models import Sharded, small_mlp
 
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem.backends.jax.trainer_sharded import model_state_layout
+from keras_tpu_mem.backends.jax.layout import model_state_layout
 
 
 def _sharded_model():

@@ -1,4 +1,4 @@
-"""The engine's sharded step (`backends/jax/trainer_sharded.py`) against plain DataParallel.
+"""The engine's sharded step (`backends/jax/reducers.py`, `ShardedShardMap`) against DataParallel.
 
 A test-local `ModelParallel` subclass (`sharding_step_models.Sharded`) lays the
 state out over the batch axis; the engine finds that from the values'
@@ -23,7 +23,7 @@ from sharding_step_models import (
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem.accumulation import GradientAccumulation
-from keras_tpu_mem.backends.jax.trainer_sharded import model_state_layout, state_layout
+from keras_tpu_mem.backends.jax.layout import model_state_layout, state_layout
 from keras_tpu_mem.engine.core import Engine, engage
 
 TOL = 1e-5

@@ -345,6 +345,13 @@ class Engine:
         """Micro-batches pulled since the last update (0 at a window's end)."""
         return self._window_position
 
+    def advance_window(self, count: int, k: int) -> int:
+        """Notes `count` more micro-batches pulled towards updates of `k` each (the
+        backend's pulled-micro-batch train function, after the call ran); returns
+        the new `pending_micro_batches()`."""
+        self._window_position = (self._window_position + count) % k
+        return self._window_position
+
     def explain(self, error: Exception) -> Exception | None:
         """A clearer exception for an error of the step, or None; ends the fit.
 
@@ -421,7 +428,7 @@ def _same_key(a, b) -> bool:
 def engage(model) -> None:
     """Hands the model's `fit` to the engine wherever its backend needs it without a
     feature callback: on JAX, state (weights, optimizer slots) split over the data
-    axis runs the engine's sharded step (`backends/jax/trainer_sharded.py`), not
+    axis runs the engine's sharded step (`backends/jax/reducers.py`, `ShardedShardMap`), not
     Keras' own. Keras gives a distribution no hook on the models built under it, so
     whatever lays a model's state out sharded (`reshard`, a sharded distribution's
     helpers) calls this; a feature callback in the `fit` does the same by itself.

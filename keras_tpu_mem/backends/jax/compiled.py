@@ -30,7 +30,7 @@ import keras
 import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem.backends.jax.trainer_sharded import (
+from keras_tpu_mem.backends.jax.layout import (
     make_state_layout,
     partitioner_shards_state,
 )
@@ -284,7 +284,7 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
         out_shardings = (None, jax.tree_util.tree_map(lambda s: s.sharding, state))
     with compile_context(model, features) as backend_step:
         # State split over the batch axis: the engine's sharded step, as `fit` runs
-        # it then even without features (`trainer_sharded`).
+        # it then even without features (`reducers.ShardedShardMap`).
         shardings = jax.tree_util.tree_map(lambda s: s.sharding, state)
         # Without features, a TPU's SPMD partitioner shards Keras' own step (as `fit`
         # leaves it there: `Step.owns_step`).

@@ -17,10 +17,49 @@ variables (a teacher's weights) are read once, then again only when written.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import keras
 import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
+
+
+class FeatureValues(NamedTuple):
+    """The features' own variables' values as a step takes them (its third argument).
+
+    Attributes:
+        carried: Values of the `step_variables` (the step returns their new values).
+        frozen: Values of the `frozen_variables` (read only).
+    """
+
+    carried: list
+    frozen: list
+
+
+def feature_variables(features):
+    """`(carried, frozen)` Keras variables the features own (see
+    `Feature.step_variables` / `Feature.frozen_variables`), in feature order."""
+    carried, frozen = [], []
+    for feature in features:
+        carried.extend(feature.step_variables())
+        frozen.extend(feature.frozen_variables())
+    return carried, frozen
+
+
+def feature_mapping(features, values: FeatureValues) -> list:
+    """`(variable, value)` pairs of the features' variables for a `keras.StatelessScope`.
+
+    Raises:
+        ValueError: `values` do not match the features' variables in number.
+    """
+    carried, frozen = feature_variables(features)
+    if len(values.carried) != len(carried) or len(values.frozen) != len(frozen):
+        raise ValueError(
+            f"The step got {len(values.carried)} carried and {len(values.frozen)} frozen "
+            f"feature values for {len(carried)} and {len(frozen)} feature variables; pass "
+            "`Step.feature_state()` as the step's third argument.")
+    return [*zip(carried, values.carried), *zip(frozen, values.frozen)]
 
 
 class CarriedFeatureState:

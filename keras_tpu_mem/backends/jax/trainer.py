@@ -13,25 +13,24 @@ this module is that step on JAX, where Keras' `fit` calls
   `keras.distribution`'s state shardings as `out_shardings`, as Keras' own
   `make_train_function` does. Everything else (data placement, sharding of
   the forward pass) is the distribution's, unchanged.
+* **the gradient's reduction** is one small object chosen when the step is
+  built (`reducers.choose_reducer`): `Spmd` (one data-parallel device, the
+  step on global arrays), `ReplicatedShardMap` (replicated state: the
+  micro-batch loop inside `shard_map` over the batch axis, one `psum` after
+  it) or `ShardedShardMap` (state split over the batch axis, FSDP / ZeRO:
+  gathers and reduce-scatters; run without features too once
+  `engine.core.engage(model)` was called). What they reduce is computed by
+  `gradients.LocalGradients` (the loss, its gradient, the metrics).
 * **micro-batching**: the batch is split into `k` equal micro-batches that run
   one after another in a `lax.scan` inside the compiled step (one
   micro-batch's activations alive at a time), gradients summed, **one**
-  optimizer update. With a data-parallel axis of more than one device the loop
-  runs inside `shard_map` over that axis only (a `ModelParallel` model axis
-  stays automatic): every device slices *its own share* of the batch, sums
-  its own gradients through the loop, and one `psum` after the loop reduces
-  them — no collective inside the loop body (on a plain `scan` over the global
-  array XLA puts the gradient all-reduce inside the loop: one per
-  micro-batch), and no resharding of the batch.
+  optimizer update.
 * **micro-batches pulled from the data** (`dataset_yields="micro_batches"`,
-  `trainer_pulled.py`): each micro-batch is one call of an accumulating or (the
+  `pulled.py`): each micro-batch is one call of an accumulating or (the
   k-th) applying jitted step, `(state, accumulators, data)`; the accumulators
-  are arrays held by the train function (a leading per-device axis on a
-  data-parallel axis >1), so gradients are reduced once, in the applying step.
-* **sharded state** (a state value's sharding names the batch axis: FSDP /
-  ZeRO): the gradient in `shard_map`, an `all_gather` per sharded weight and
-  reduce-scatters (`trainer_sharded.py`); run without features too once
-  `engine.core.engage(model)` was called.
+  are arrays held by the train function where the reducer says (a leading
+  per-device axis, or the gradient's sharding), so gradients are reduced once,
+  in the applying step.
 * **"Per replica" on JAX** means per data-parallel shard: the global batch
   divided by the size of the distribution's batch axis (`DataParallel(8)`: per
   device; `ModelParallel` on a (2, 4) mesh: per group of 4 devices that share
@@ -51,32 +50,37 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.backends.jax.feature_state import (
+    FeatureValues,
     carrying_step,
     check_quiet,
+    feature_mapping,
+    feature_variables,
     quiet_steps_possible,
 )
-from keras_tpu_mem.backends.jax.trainer_pulled import PulledMicroBatchSteps
-from keras_tpu_mem.backends.jax.trainer_sharded import (
-    ShardMapGradients,
+from keras_tpu_mem.backends.jax.gradients import Batch, LocalGradients, TrainState
+from keras_tpu_mem.backends.jax.layout import (
     make_state_layout,
     model_state_layout,
     partitioner_shards_state,
 )
-from keras_tpu_mem.backends.jax.trainer_shared import leading_dim as _leading_dim
-from keras_tpu_mem.backends.jax.trainer_shared import (
-    multi_step_train_function as _multi_step_train_function,
+from keras_tpu_mem.backends.jax.pulled import (
+    accumulator_shardings,
+    pulled_train_function,
+    zero_accumulators,
 )
-from keras_tpu_mem.backends.step import StepContext
+from keras_tpu_mem.backends.jax.reducers import choose_reducer
+from keras_tpu_mem.backends.jax.train_function import leading_dim as _leading_dim
+from keras_tpu_mem.backends.jax.train_function import multi_step_train_function
+from keras_tpu_mem.backends.step import StepContext, check_pulled_micro_batches
 
 
 # ------------------------------------------------------------- distribution
@@ -122,8 +126,22 @@ def _raising(error: Exception):
     yield  # a generator: the error comes at the first `next()`, not at the call
 
 
-class Step(PulledMicroBatchSteps, ShardMapGradients):
+class StepInputs(NamedTuple):
+    """What every step reads first from its data and feature values."""
+
+    has_feature_state: bool  # the features own variables: the step returns the carried
+    feature_state: FeatureValues
+    batch: Batch
+    size: int  # the leading batch dimension
+
+
+class Step:
     """Builds the JAX train function for an `Engine` (keras.distribution).
+
+    Each built step gets one reducer (`reducers.choose_reducer`, from the state's
+    layout and the distribution's batch axis), which computes and reduces its
+    gradient; the step around it reads the data, applies the optimizer once and
+    runs the features' `after_update`.
 
     Attributes:
         jitted_step: The last built `jax.jit` step `(state, data) -> (logs,
@@ -151,9 +169,9 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
 
     def owns_step(self) -> bool:
         """True when the model's state is split over the batch axis: its `fit` needs
-        the engine's step even without features (`trainer_sharded`), except on a TPU,
-        whose SPMD partitioner shards Keras' own step better
-        (`partitioner_shards_state`)."""
+        the engine's step even without features (`reducers.ShardedShardMap`), except
+        on a TPU, whose SPMD partitioner shards Keras' own step better
+        (`layout.partitioner_shards_state`)."""
         return model_state_layout(self.model) is not None and not partitioner_shards_state()
 
     def distribution_key(self):
@@ -197,144 +215,23 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
             size = None
         return size, (state, itertools.chain([first], iterator), *rest)
 
-    # --------------------------------------------------------- loss and grads
-    def _loss(self, features, trainable, non_trainable, metrics_vars, optimizer_vars, x, y,
-              sample_weight, extras, num_micro, feature_state=((), ())):
-        """The loss to differentiate, as Keras' `compute_loss_and_updates` computes it,
-        with the features' loss terms, divided by `num_micro`."""
-        model = self.model
-        kwargs = {"training": True} if keras_compat.call_has_training_arg(model) else {}
-        y_pred, non_trainable, losses = model.stateless_call(
-            trainable, non_trainable, x, return_losses=True, **kwargs)
-        with jax_compat.losses_override(model, losses):
-            loss, (_, non_trainable, metrics_vars) = model.stateless_compute_loss(
-                trainable, non_trainable, metrics_vars, x=x, y=y, y_pred=y_pred,
-                sample_weight=sample_weight, training=True)
-        ctx = StepContext(model, x, y, sample_weight, y_pred, extras, num_micro)
-        mapping = [*zip(model.trainable_variables, trainable),
-                   *zip(model.non_trainable_variables, non_trainable),
-                   *zip(model.metrics_variables, metrics_vars),
-                   *self._feature_mapping(features, feature_state)]
-        # Loss terms may read Keras variables (a temperature schedule, a
-        # teacher's weights): they must see this step's values, not the purged
-        # model variables nor concrete arrays jit would embed as constants.
-        with keras.StatelessScope(state_mapping=mapping):
-            for feature in features:
-                loss = feature.transform_loss(loss, ctx)
-        unscaled = loss
-        if model.optimizer is not None:
-            # LossScaleOptimizer reads its scale variable (in a sharded step's body
-            # the slots are slices, which a scope refuses and scale_loss never reads).
-            with keras.StatelessScope(state_mapping=[
-                    (v, value) for v, value in zip(model.optimizer.variables, optimizer_vars)
-                    if tuple(value.shape) == tuple(v.shape)]):
-                loss = model.optimizer.scale_loss(loss)
-        if num_micro > 1:
-            loss = loss * (1.0 / num_micro)
-        return loss, (unscaled, y_pred, non_trainable, metrics_vars)
-
-    def _grad_fn(self, features, gather=None):
-        """`value_and_grad` of `_loss`; with `gather` (whole weights from the slices
-        given, see `trainer_sharded`), the gradients are the slices'."""
-        loss = functools.partial(self._loss, features)
-        if gather is not None:
-            def loss(trainable, *args, _loss=loss):
-                return _loss(gather(trainable), *args)
-        return jax.value_and_grad(loss, has_aux=True)
-
-    def _update_metrics(self, metrics_vars, unscaled_loss, x, y, y_pred, sample_weight):
-        """The loss tracker and compiled metrics, updated as Keras' JAX train_step does."""
-        model = self.model
-        with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables,
-                                                         metrics_vars))) as scope:
-            batch = _leading_dim(x)
-            keras_compat.loss_tracker(model).update_state(unscaled_loss, sample_weight=batch)
-            logs = model.compute_metrics(x, y, y_pred, sample_weight)
-        new = []
-        for variable, old in zip(model.metrics_variables, metrics_vars):
-            value = scope.get_current_value(variable)
-            new.append(old if value is None else value)
-        return logs, new
-
-    def _metrics_result(self, metrics_vars):
-        model = self.model
-        with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables,
-                                                         metrics_vars))):
-            return model.get_metrics_result()
-
-    def _micro_batch_loop(self, features, trainable, non_trainable, optimizer_vars,
-                          metrics_vars, batch, num_micro, feature_state=((), ()), gather=None):
-        """Sum of the micro-batch gradients of `batch` (its rows, split in order),
-        with the non-trainable and metric state threaded through the loop
-        (`gather`: whole weights from the `trainable` given, which the gradients
-        are of; see `trainer_sharded`).
-
-        Returns `(gradient sums, non_trainable, metrics_vars, updated)`, where
-        `updated[i]` says whether the step writes non-trainable variable `i`
-        (learnt while the loop body is traced: Keras hands back the very input
-        value of every variable nothing assigned).
-        """
-        updated = [False] * len(non_trainable)
-        grad_fn = self._grad_fn(features, gather)
-        micro = jax.tree_util.tree_map(
-            lambda t: t.reshape(num_micro, t.shape[0] // num_micro, *t.shape[1:]), batch)
-
-        def body(carry, micro_batch):
-            sums, non_trainable, metrics_vars = carry
-            x, y, sample_weight, extras = micro_batch
-            (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
-                                      x, y, sample_weight, extras, num_micro, feature_state)
-            unscaled, y_pred, new_non_trainable, metrics_vars = aux
-            for i, (old, new) in enumerate(zip(non_trainable, new_non_trainable)):
-                updated[i] = updated[i] or new is not old
-            _, metrics_vars = self._update_metrics(metrics_vars, unscaled, x, y, y_pred,
-                                                   sample_weight)
-            sums = [s + g.astype(s.dtype) for s, g in zip(sums, grads)]
-            return (sums, list(new_non_trainable), metrics_vars), None
-
-        zeros = [jnp.zeros(w.shape, w.dtype) for w in trainable]
-        (sums, non_trainable, metrics_vars), _ = jax.lax.scan(
-            body, (zeros, list(non_trainable), list(metrics_vars)), micro)
-        return sums, non_trainable, metrics_vars, updated
-
     # ------------------------------------------------------- feature state
-    @staticmethod
-    def _feature_variables(features):
-        """`(carried, frozen)` Keras variables the features own (see
-        `Feature.step_variables` / `Feature.frozen_variables`), in feature order."""
-        carried, frozen = [], []
-        for feature in features:
-            carried.extend(feature.step_variables())
-            frozen.extend(feature.frozen_variables())
-        return carried, frozen
-
-    def _feature_mapping(self, features, feature_state):
-        carried, frozen = self._feature_variables(features)
-        values, frozen_values = feature_state
-        if len(values) != len(carried) or len(frozen_values) != len(frozen):
-            raise ValueError(
-                f"The step got {len(values)} carried and {len(frozen_values)} frozen feature "
-                f"values for {len(carried)} and {len(frozen)} feature variables; pass "
-                "`Step.feature_state()` as the step's third argument.")
-        return [*zip(carried, values), *zip(frozen, frozen_values)]
-
     def feature_state(self, features=None):
         """`(carried values, frozen values)` of the features' own variables, as the
         step takes them as its third argument."""
-        carried, frozen = self._feature_variables(
-            self.features if features is None else features)
+        carried, frozen = feature_variables(self.features if features is None else features)
         return [v.value for v in carried], [v.value for v in frozen]
 
-    def _after_update(self, features, trainable, non_trainable, optimizer_vars, feature_state,
-                      ctx):
+    def _after_update(self, features, trainable, non_trainable, optimizer_vars,
+                      feature_state: FeatureValues, ctx):
         """The features' `after_update` hooks as a function of values: each runs in a
         `keras.StatelessScope` mapping the model's, the optimizer's and the features'
         variables to their post-update values; its assignments become the new values
         (the step stays pure, and the same hook runs on TensorFlow, where it writes
-        the variables)."""
+        the variables). Returns `(trainable, non_trainable, carried values)`."""
         model = self.model
-        carried, _ = self._feature_variables(features)
-        values = list(feature_state[0])
+        carried, _ = feature_variables(features)
+        values = list(feature_state.carried)
         hooks = [f for f in features if self.engine.has_hook(f, "after_update")]
         if not hooks:
             return trainable, non_trainable, values
@@ -343,7 +240,7 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
                   (carried, values)]
         for feature in hooks:
             mapping = [*zip(model.optimizer.variables, optimizer_vars),
-                       *self._feature_mapping(features, (values, feature_state[1]))]
+                       *feature_mapping(features, FeatureValues(values, feature_state.frozen))]
             mapping += [*zip(groups[0][0], groups[0][1]), *zip(groups[1][0], groups[1][1])]
             with keras.StatelessScope(state_mapping=mapping) as scope:
                 feature.after_update(ctx)
@@ -361,106 +258,118 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
             values = groups[2][1]
         return groups[0][1], groups[1][1], groups[2][1]
 
-    # ---------------------------------------------------------------- the step
-    def _step_inputs(self, features, data, feature_state):
-        """What every step reads first: `(has_feature_state, feature_state, (x, y,
-        sample_weight, extras), leading batch size, data-parallel shards)`."""
-        has_feature_state = any(self._feature_variables(features))
+    # --------------------------------------------------------------- the steps
+    def _inputs(self, features, data, feature_state, shards, what, instead) -> StepInputs:
+        """What every step reads first; the batch must split over the `shards`
+        data-parallel devices (else a `ValueError` naming `what` and `instead`)."""
+        has_feature_state = any(feature_variables(features))
         if feature_state is None:
             feature_state = self.feature_state(features)
-        feature_state = (list(feature_state[0]), list(feature_state[1]))
+        feature_state = FeatureValues(list(feature_state[0]), list(feature_state[1]))
         extras = {}
         for feature in features:
             data, more = feature.split_extras(data)
             extras.update(more)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        batch = (x, y, sample_weight, extras)
+        batch = Batch(x, y, sample_weight, extras)
         size = _leading_dim(batch)
         if size is None:
             raise ValueError("keras_tpu_mem's engine found no batched array in the data.")
-        return has_feature_state, feature_state, batch, size, self.num_replicas()
+        if size % shards:
+            raise ValueError(
+                f"{what} of {size} does not split over the {shards} data-parallel devices "
+                f"of the active keras.distribution; use {instead} that is a multiple of "
+                f"{shards}.")
+        return StepInputs(has_feature_state, feature_state, batch, size)
 
-    def _step(self, features, state, data, feature_state=None, layout=None, quiet=False):
-        """One update. `features` is the build's snapshot of the engine's features, so
-        that a later trace of the same step (`jitted_step.lower`) builds the same step.
+    def _step(self, local, reducer, state, data, feature_state=None, quiet=False):
+        """One update, its gradient from `reducer`. `local` holds the build's snapshot
+        of the engine's features, so that a later trace of the same step
+        (`jitted_step.lower`) builds the same step.
 
         With features that own variables (`step_variables`/`frozen_variables`) the step
         is `(state, data, feature_state) -> (logs, state, carried values)` (`quiet`: no
         carried values, see `Feature.quiet_update`); called without `feature_state`,
-        the variables' current values are used (as constants). `layout`: the state's
-        `trainer_sharded.StateLayout` (None: replicated state)."""
-        model = self.model
-        has_feature_state, feature_state, batch, global_batch, shards = self._step_inputs(
-            features, data, feature_state)
-        trainable, non_trainable, optimizer_vars, metrics_vars = state
-        x, y, sample_weight, extras = batch
-        if global_batch % shards:
-            raise ValueError(
-                f"The global batch of {global_batch} does not split over the "
-                f"{shards} data-parallel devices of the active keras.distribution; "
-                f"use a global batch that is a multiple of {shards}.")
-        num_micro = _micro_batch_count(features, global_batch // shards)
+        the variables' current values are used (as constants)."""
+        model, features = self.model, local.features
+        inputs = self._inputs(features, data, feature_state, reducer.shards,
+                              "The global batch", "a global batch")
+        state = TrainState(*state)
+        num_micro = _micro_batch_count(features, inputs.size // reducer.shards)
         if isinstance(num_micro, bool) or not isinstance(num_micro, (int, np.integer)):
             raise TypeError(f"A feature returned {num_micro!r} micro-batches; the JAX "
                             "engine needs a Python int (shapes are static under jit).")
         num_micro = int(num_micro)
-
-        if layout is not None:  # sharded state: see trainer_sharded
-            grads, non_trainable, metrics_vars = self._sharded_micro_batches(
-                features, trainable, non_trainable, optimizer_vars, metrics_vars, batch,
-                num_micro, shards, feature_state, layout=layout)
-            trainable, optimizer_vars = model.optimizer.stateless_apply(
-                optimizer_vars, grads, trainable)
-            logs = self._metrics_result(metrics_vars)
-        elif num_micro == 1:
-            grad_fn = self._grad_fn(features)
-            (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
-                                      x, y, sample_weight, extras, 1, feature_state)
-            unscaled, y_pred, non_trainable, metrics_vars = aux
-            trainable, optimizer_vars = model.optimizer.stateless_apply(
-                optimizer_vars, grads, trainable)
-            logs, metrics_vars = self._update_metrics(metrics_vars, unscaled, x, y, y_pred,
-                                                      sample_weight)
-        else:
-            if shards == 1:
-                grads, non_trainable, metrics_vars, _ = self._micro_batch_loop(
-                    features, trainable, non_trainable, optimizer_vars, metrics_vars, batch,
-                    num_micro, feature_state)
-            else:
-                grads, non_trainable, metrics_vars = self._sharded_micro_batches(
-                    features, trainable, non_trainable, optimizer_vars, metrics_vars, batch,
-                    num_micro, shards, feature_state)
-            trainable, optimizer_vars = model.optimizer.stateless_apply(
-                optimizer_vars, grads, trainable)
-            logs = self._metrics_result(metrics_vars)
+        reduced = reducer.gradients(local, state, inputs.batch, num_micro,
+                                    inputs.feature_state)
+        trainable, optimizer_vars = model.optimizer.stateless_apply(
+            state.optimizer, reduced.grads, state.trainable)
+        logs = (reduced.logs if reduced.logs is not None
+                else local.metrics_result(reduced.metrics))
+        x, y, sample_weight, extras = inputs.batch
         ctx = StepContext(model, x, y, sample_weight, None, extras, num_micro, quiet=quiet)
         trainable, non_trainable, carried = self._after_update(
-            features, trainable, non_trainable, optimizer_vars, feature_state, ctx)
-        new_state = (trainable, non_trainable, optimizer_vars, metrics_vars)
+            features, trainable, reduced.non_trainable, optimizer_vars,
+            inputs.feature_state, ctx)
+        new_state = (trainable, non_trainable, optimizer_vars, reduced.metrics)
         if quiet:  # `make_step(quiet=True)`: the carried values stay as they came
-            check_quiet(features, feature_state[0], carried)
-        elif has_feature_state:
+            check_quiet(features, inputs.feature_state.carried, carried)
+        elif inputs.has_feature_state:
             return logs, new_state, carried
         return logs, new_state
 
-    # ------------------------------------- micro-batches pulled from the data
-    def _one_micro_batch(self, features, trainable, non_trainable, optimizer_vars,
-                         metrics_vars, batch, k, feature_state, gather=None):
-        """Gradient of one pulled micro-batch's loss / k, with the metrics updated.
+    def _pulled_step(self, local, reducer, k, apply, state, accumulators, data,
+                     feature_state=None):
+        """One micro-batch of Keras' accumulation convention (`dataset_yields=
+        "micro_batches"`, see `pulled.py`): `(state, accumulators, data[,
+        feature_state]) -> (logs, state, accumulators[, carried values])`.
 
-        Returns `(grads, non_trainable, metrics_vars, updated)` as
-        `_micro_batch_loop` does."""
-        x, y, sample_weight, extras = batch
-        grad_fn = self._grad_fn(features, gather)
-        (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, optimizer_vars,
-                                  x, y, sample_weight, extras, k, feature_state)
-        unscaled, y_pred, new_non_trainable, metrics_vars = aux
-        updated = [new is not old for old, new in zip(non_trainable, new_non_trainable)]
-        _, metrics_vars = self._update_metrics(metrics_vars, unscaled, x, y, y_pred,
-                                               sample_weight)
-        return grads, list(new_non_trainable), metrics_vars, updated
+        `reducer.accumulate` adds the gradient of this micro-batch's loss / k to
+        the accumulators; with `apply` (the last micro-batch of a window) their
+        sum is applied once and the accumulators come back as zeros."""
+        model, features = self.model, local.features
+        inputs = self._inputs(
+            features, data, feature_state, reducer.shards,
+            f"GradientAccumulation(steps={k}, dataset_yields='micro_batches'): the "
+            "micro-batch", "a dataset batch size")
+        state = TrainState(*state)
+        out = reducer.accumulate(local, state, list(accumulators), inputs.batch, k, apply,
+                                 inputs.feature_state)
+        trainable, non_trainable, optimizer_vars = (state.trainable, out.non_trainable,
+                                                    state.optimizer)
+        carried = inputs.feature_state.carried
+        if apply:
+            trainable, optimizer_vars = model.optimizer.stateless_apply(
+                optimizer_vars, out.grads, trainable)
+            x, y, sample_weight, extras = inputs.batch
+            ctx = StepContext(model, x, y, sample_weight, None, extras, k)
+            trainable, non_trainable, carried = self._after_update(
+                features, trainable, non_trainable, optimizer_vars, inputs.feature_state,
+                ctx)
+        logs = local.metrics_result(out.metrics)
+        new_state = (list(trainable), list(non_trainable), list(optimizer_vars),
+                     list(out.metrics))
+        if inputs.has_feature_state:
+            return logs, new_state, out.accumulators, list(carried)
+        return logs, new_state, out.accumulators
 
     # -------------------------------------------------------- the train function
+    def _out_shardings(self, *more, quiet=False):
+        """`out_shardings` of a jitted step under a `keras.distribution` (None
+        without): the state's, then `more`, then the carried feature values'."""
+        if keras.distribution.distribution() is None:
+            return None
+        out_shardings = (None, jax_compat.state_sharding_spec(self.model), *more)
+        carried, frozen = feature_variables(self.features)
+        if (carried or frozen) and not quiet:
+            # Carried feature values (pruning masks) keep the shardings they were
+            # given (a mask: its kernel's), step after step.
+            out_shardings += ([v.value.sharding for v in carried],)
+        return out_shardings
+
+    def _reducer(self, layout):
+        return choose_reducer(self.model, layout, self.num_replicas())
+
     def make_step(self, jit: bool = True, state_shardings=None, quiet=False) -> Callable:
         """The step `(state, data) -> (logs, state)` for the engine's current features.
 
@@ -468,24 +377,32 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
         the variables' current shardings as `out_shardings`, so call it before
         `fit` purges them), unless `jit=False`. For compiling the step without
         a `fit` (memory analysis, planning): `make_step().lower(state,
-        batch).compile()`. The step keeps a snapshot of the features and of the
-        state's layout (read from `state_shardings`, else from the variables'
-        values: state split over the batch axis gets the sharded step), so a
-        later trace builds the same step. `quiet`: the step for quiet updates."""
+        batch).compile()`. The step keeps a snapshot of the features and its
+        reducer, chosen from the state's layout (read from `state_shardings`, else
+        from the variables' values: state split over the batch axis gets the
+        sharded step), so a later trace builds the same step. `quiet`: the step
+        for quiet updates."""
         layout = (model_state_layout(self.model) if state_shardings is None
                   else make_state_layout(self.model, state_shardings))
-        step = functools.partial(self._step, tuple(self.features), layout=layout, quiet=quiet)
+        step = functools.partial(self._step, LocalGradients(self.model, self.features),
+                                 self._reducer(layout), quiet=quiet)
         if not jit:
             return step
-        out_shardings = None
-        if keras.distribution.distribution() is not None:
-            out_shardings = (None, jax_compat.state_sharding_spec(self.model))
-            carried, frozen = self._feature_variables(self.features)
-            if (carried or frozen) and not quiet:
-                # Carried feature values (pruning masks) keep the shardings they were
-                # given (a mask: its kernel's), step after step.
-                out_shardings += ([v.value.sharding for v in carried],)
-        return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+        return jax.jit(step, donate_argnums=0, out_shardings=self._out_shardings(quiet=quiet))
+
+    def make_pulled_steps(self, k: int, jit: bool = True):
+        """`({False: accumulating step, True: applying step}, reducer)` of
+        `_pulled_step`, jitted with `donate_argnums=(0, 1)` (state and accumulators)
+        unless `jit=False`."""
+        reducer = self._reducer(model_state_layout(self.model))
+        local = LocalGradients(self.model, self.features)
+        steps = {apply: functools.partial(self._pulled_step, local, reducer, k, apply)
+                 for apply in (False, True)}
+        if jit:
+            out_shardings = self._out_shardings(accumulator_shardings(self.model, reducer))
+            steps = {apply: jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings)
+                     for apply, step in steps.items()}
+        return steps, reducer
 
     def build_train_function(self) -> Callable:
         model = self.model
@@ -493,23 +410,27 @@ class Step(PulledMicroBatchSteps, ShardMapGradients):
             raise NotImplementedError(
                 "keras_tpu_mem's JAX engine does not support Keras' Flax NNX mode "
                 "(keras.config.is_nnx_enabled() is True); unset KERAS_NNX_ENABLED.")
+        jit = not model.run_eagerly and bool(model.jit_compile)
+        carried, frozen = feature_variables(self.features)
         pulled = self.engine.batches_per_update()
         if pulled > 1:
-            return self._build_pulled_train_function(pulled)
-        jit = not model.run_eagerly and bool(model.jit_compile)
+            check_pulled_micro_batches(model, pulled)
+            steps, reducer = self.make_pulled_steps(pulled, jit=jit)
+            self.jitted_step = None
+            shardings = accumulator_shardings(model, reducer)
+            return pulled_train_function(
+                model, self.engine, pulled, steps,
+                lambda: zero_accumulators(model, reducer, shardings), carried, frozen)
         step = self.make_step(jit=jit)
         self.jitted_step = step if jit else None
-        engine = self.engine
-        per_call = int(model.steps_per_execution)
-        carried, frozen = self._feature_variables(self.features)
         on_error = None
         if carried or frozen:
             # Carried from call to call beside Keras' state (and a quiet step, if any).
             quiet = (self.make_step(jit=jit, quiet=True) if quiet_steps_possible(
                 model, self.features, self.engine.has_hook) else None)
             step, on_error = carrying_step(model, self.features, carried, frozen, step, quiet)
-        train_function = _multi_step_train_function(model, engine, step, per_call,
-                                                    on_error=on_error)
+        train_function = multi_step_train_function(
+            model, self.engine, step, int(model.steps_per_execution), on_error=on_error)
         train_function.jitted_step = self.jitted_step
         return train_function
 

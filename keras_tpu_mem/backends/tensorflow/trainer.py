@@ -337,7 +337,7 @@ class Step:
 
         def train_function(iterator):
             count = engine.steps_for_this_call() or 1
-            phase = engine._window_position
+            phase = engine.pending_micro_batches()
             end = phase + count
             if phase == 0 and count % k == 0:
                 shape = (0, count // k, False)      # whole windows
@@ -359,7 +359,7 @@ class Step:
                 if clearer is not None:
                     raise clearer from error
                 raise
-            engine._window_position = end % k
+            engine.advance_window(count, k)
             return logs
 
         return train_function

@@ -1,29 +1,14 @@
-"""The JAX step's gradient inside `shard_map` over the batch axis, replicated or sharded state.
+"""Which of the model's state is split over the batch axis (FSDP / ZeRO), read from the state.
 
-Under a data-parallel axis of more than one device the engine computes the
-gradient inside `shard_map` over that axis (a `ModelParallel` model axis stays
-automatic): each device runs its own share of the batch and the gradient is
-reduced with explicit collectives. Two cases, chosen from the state itself:
-
-* **replicated state** (`DataParallel`): every device sums its micro-batches'
-  gradients through the loop, and one `psum` after the loop reduces them (no
-  collective inside the loop body).
-* **sharded state** (FSDP / ZeRO: a state value's `.sharding.spec` names the
-  batch axis; `StateLayout`): each sharded weight enters as the device's slice
-  and is `all_gather`ed (tiled) where the loss uses it, so its gradient is the
-  transpose, a reduce-scatter (`psum_scatter`) into the slice; a replicated
-  weight whose optimizer slots are sharded (ZeRO-1) has its gradient
-  reduce-scattered into the slots' sharding after the loop; any other
-  gradient is `psum`med. The gradients leave the `shard_map` in that
-  sharding and the optimizer's `stateless_apply` runs outside it on the
-  global (sharded) arrays, so XLA partitions the elementwise update per
-  slice and inserts the collectives of any global view (`clipnorm`,
-  `global_clipnorm`, a `LossScaleOptimizer`'s finite check) itself: every
-  optimizer keeps its exact semantics.
+A state value whose `.sharding.spec` names the distribution's batch axis on one
+dimension is sharded there; the distribution's class is never looked at, so any
+distribution that lays state out this way gets the engine's sharded step
+(`reducers.ShardedShardMap`). `StateLayout` holds the answer (which dimension of
+each weight, gradient and optimizer variable), read once when a step is built.
 
 XLA's partitioner alone (the step on global arrays) keeps whole gathered
 weights and all-reduces whole gradients on CPU (docs/engine.md, "The sharded
-step"); written here, the reduce-scatters are in the program XLA is given.
+step"); on a TPU mesh it reduce-scatters itself (`partitioner_shards_state`).
 """
 
 from __future__ import annotations
@@ -35,7 +20,6 @@ from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem.backends.jax.trainer_shared import PerDeviceState
 
 
 def _batch_dim(sharding, axis) -> int | None:
@@ -227,131 +211,3 @@ def model_state_layout(model):
             "while Keras' JAX `fit` holds them. Read it before `fit` starts, or from a "
             "callback through `self.model`, which puts the values back.") from err
     return make_state_layout(model, shardings)
-
-
-class ShardMapGradients:
-    """`Step`'s in-step gradient under a data-parallel axis (mixin; see the module)."""
-
-    #: Sharded weights: differentiate each micro-batch with respect to the
-    #: device's slice (the reduce-scatter runs once per micro-batch and the
-    #: accumulators hold slices) rather than gathering once before the loop
-    #: and reduce-scattering whole-weight sums once after it (whole gradient
-    #: sums alive through the loop). Measured in docs/engine.md: on XLA:CPU. On a
-    #: TPU mesh the step gathers once (`scatters_in_loop`).
-    scatter_in_loop = True
-
-    def scatters_in_loop(self) -> bool:
-        """`scatter_in_loop`, but never on a TPU mesh: XLA:TPU's compile of 8 x Dense(8192)
-        with Adam under `ShardedDataParallel()` on v5e-16, `GradientAccumulation(2)` and
-        `(4)`, held 4.50 GiB per chip scattering in the loop against 3.39 GiB gathering
-        once, and its compile of the loop that scatters took host memory as large as all
-        the weights (2.5 GB for these 2 GB of float32; a 6.7B model's plan was killed for
-        memory), where gathering once took 0.8 GB (docs/engine.md)."""
-        return self.scatter_in_loop and not partitioner_shards_state()
-
-    def _sharded_micro_batches(self, features, trainable, non_trainable, optimizer_vars,
-                               metrics_vars, batch, num_micro, shards, feature_state=((), ()),
-                               layout=None):
-        """The micro-batch loop inside `shard_map` over the batch axis.
-
-        Returns `(grads, non_trainable, metrics_vars)`; the gradients are
-        replicated (one `psum` after the loop), or under a `layout` in its
-        `grad_dims` sharding."""
-        per_device = PerDeviceState(self.model, keras.distribution.distribution(), shards)
-        axis, mesh = per_device.axis, per_device.mesh
-        replicated = PartitionSpec()
-        scattered = layout is not None and self.scatters_in_loop()
-
-        def local(trainable, non_trainable, optimizer_vars, metrics_vars, batch,
-                  feature_state):
-            gather = None
-            if layout is not None:
-                if scattered:
-                    gather = layout.gather
-                else:
-                    trainable = layout.gather(trainable)
-            offset, (sums, local_non_trainable, local_metrics, updated) = per_device.run(
-                non_trainable, lambda start: self._micro_batch_loop(
-                    features, trainable, start, optimizer_vars, metrics_vars, batch,
-                    num_micro, feature_state, gather=gather))
-            if layout is None:
-                # The one gradient reduction of the step: each device's sum of its
-                # own micro-batch gradients, averaged over the devices (every
-                # device's loss is the mean over its share, so the mean of the
-                # devices' gradients is the gradient of the global batch's loss).
-                grads = [jax.lax.psum(s, axis) / shards for s in sums]
-            else:
-                grads = layout.reduce(sums, scattered)
-            non_trainable, metrics_vars = per_device.combine(
-                non_trainable, local_non_trainable, updated, metrics_vars, local_metrics,
-                offset)
-            return grads, non_trainable, metrics_vars
-
-        if layout is None:
-            weight_specs = optimizer_specs = grad_specs = replicated
-        else:
-            weight_specs, grad_specs = layout.weight_specs(), layout.grad_specs()
-            optimizer_specs = layout.optimizer_specs()
-        mapped = jax_compat.shard_map(
-            local, mesh=mesh,
-            in_specs=(weight_specs, replicated, optimizer_specs, replicated,
-                      PartitionSpec(axis), replicated),
-            out_specs=(grad_specs, replicated, replicated),
-            manual_axes={axis})
-        return mapped(list(trainable), list(non_trainable), list(optimizer_vars),
-                      list(metrics_vars), batch,
-                      (list(feature_state[0]), list(feature_state[1])))
-
-    def _sharded_state_pulled(self, features, apply, trainable, non_trainable, optimizer_vars,
-                              metrics_vars, accumulators, batch, k, shards, feature_state,
-                              layout):
-        """`_pulled_step`'s gradient under sharded state: inside `shard_map` over the
-        batch axis, each micro-batch's gradient is reduce-scattered into
-        accumulators held in its `grad_dims` sharding (a gradient with none keeps
-        the leading per-device axis and is `psum`med once, by `apply`).
-
-        Returns `(grads, accumulators, non_trainable, metrics_vars)`; `grads` (the
-        mean over the devices, in the accumulators' sharding) only with `apply`."""
-        per_device = PerDeviceState(self.model, keras.distribution.distribution(), shards)
-        axis, mesh = per_device.axis, per_device.mesh
-        kept = [d is not None for d in layout.grad_dims]
-
-        def local(trainable, non_trainable, optimizer_vars, metrics_vars, accumulators,
-                  batch, feature_state):
-            offset, (grads, local_non_trainable, local_metrics, updated) = per_device.run(
-                non_trainable, lambda start: self._one_micro_batch(
-                    features, trainable, start, optimizer_vars, metrics_vars, batch, k,
-                    feature_state, gather=layout.gather))
-            sums = []
-            for a, g, wd, gd in zip(accumulators, grads, layout.weight_dims,
-                                    layout.grad_dims):
-                if wd is None and gd is not None:
-                    g = jax.lax.psum_scatter(g, axis, scatter_dimension=gd, tiled=True)
-                sums.append(a + g.astype(a.dtype) if gd is not None
-                            else a[0] + g.astype(a.dtype))
-            if apply:
-                grads = [s / shards if keep else jax.lax.psum(s, axis) / shards
-                         for s, keep in zip(sums, kept)]
-                accumulators = [jax.numpy.zeros_like(a) for a in accumulators]
-            else:
-                grads = []
-                accumulators = [s if keep else s[None] for s, keep in zip(sums, kept)]
-            non_trainable, metrics_vars = per_device.combine(
-                non_trainable, local_non_trainable, updated, metrics_vars, local_metrics,
-                offset)
-            return grads, accumulators, non_trainable, metrics_vars
-
-        replicated = PartitionSpec()
-        grad_specs = layout.grad_specs()
-        accumulator_specs = [spec if keep else PartitionSpec(axis)
-                             for spec, keep in zip(grad_specs, kept)]
-        mapped = jax_compat.shard_map(
-            local, mesh=mesh,
-            in_specs=(layout.weight_specs(), replicated, layout.optimizer_specs(), replicated,
-                      accumulator_specs, PartitionSpec(axis), replicated),
-            out_specs=(grad_specs if apply else [], accumulator_specs, replicated,
-                       replicated),
-            manual_axes={axis})
-        return mapped(list(trainable), list(non_trainable), list(optimizer_vars),
-                      list(metrics_vars), list(accumulators), batch,
-                      (list(feature_state[0]), list(feature_state[1])))

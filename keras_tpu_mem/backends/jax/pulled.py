@@ -1,0 +1,149 @@
+"""Keras' accumulation convention on JAX: the train function of pulled micro-batches.
+
+`GradientAccumulation(steps=k, dataset_yields="micro_batches")`: the dataset
+yields micro-batches and each `fit` step is one of them. Two jitted steps
+(`Step._pulled_step`) take `(state, accumulators, data)`: one adds this
+micro-batch's gradient of loss / k to the accumulators, the other (the k-th)
+applies their sum once, runs the features' `after_update` and hands back zeros;
+Python picks one from the window position, so no conditional surrounds the
+optimizer. Where each accumulator lives is the step's reducer's choice
+(`reducers.py`): a leading per-device axis on the batch axis for a gradient the
+applying step `psum`s once, the gradient's own sharding for one reduce-scattered
+every micro-batch. The accumulators are JAX arrays held here, by the train
+function (`Window`: transient, zero at every window's end, and windows never
+span epochs), never Keras variables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import keras
+from jax.sharding import PartitionSpec
+
+from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem.backends.jax.feature_state import CarriedFeatureState
+from keras_tpu_mem.backends.jax.reducers import PER_DEVICE
+from keras_tpu_mem.backends.jax.train_function import multi_step_train_function
+
+
+def accumulator_shardings(model, reducer):
+    """Shardings of the accumulators (None without a distribution): each trainable
+    weight's, with a leading per-device axis on the batch axis, or the batch axis
+    moved to the dimension its gradient is reduce-scattered on, as
+    `reducer.accumulators()` says."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return None
+    mesh = jax_compat.backend_mesh(distribution.device_mesh)
+    axis = distribution.batch_dim_name
+    shardings = []
+    for variable, where in zip(model.trainable_variables, reducer.accumulators()):
+        sharding = getattr(variable.value, "sharding", None)
+        spec = tuple(getattr(sharding, "spec", ()) or ())
+        spec = spec + (None,) * (len(variable.shape) - len(spec))
+        if where == PER_DEVICE:
+            spec = (axis, *spec)
+        elif where is not None:
+            spec = tuple(axis if d == where else (None if s == axis else s)
+                         for d, s in enumerate(spec))
+        shardings.append(jax.sharding.NamedSharding(mesh, PartitionSpec(*spec)))
+    return shardings
+
+
+def zero_accumulators(model, reducer, shardings=None) -> list:
+    """Fresh zero accumulators, one per trainable weight (see `accumulator_shardings`)."""
+    zeros = []
+    for i, (variable, where) in enumerate(zip(model.trainable_variables,
+                                              reducer.accumulators())):
+        shape = tuple(variable.shape)
+        if where == PER_DEVICE:
+            shape = (reducer.shards, *shape)
+        value = jnp.zeros(shape, variable.dtype)
+        if shardings is not None:
+            value = jax.device_put(value, shardings[i])
+        zeros.append(value)
+    return zeros
+
+
+class Window:
+    """The accumulators of the window in progress, and the position they were left at.
+
+    A fit starts at position 0 (the engine resets it), so a window an interrupted
+    fit left behind never leaks into the next one; a step in flight leaves the
+    position at -1, so a failure leaves nothing to reuse.
+
+    Args:
+        zeros: Makes fresh zero accumulators.
+    """
+
+    def __init__(self, zeros: Callable[[], list]):
+        self.zeros = zeros
+        self.accumulators = None
+        self.position = 0
+
+    def take(self, position: int) -> list:
+        """The accumulators for the micro-batch at `position` (zeros unless this window
+        left them there), marked in flight."""
+        if self.accumulators is None or position != self.position:
+            self.accumulators = self.zeros()
+        self.position = -1
+        return self.accumulators
+
+    def keep(self, accumulators, position: int) -> None:
+        """A step returned `accumulators`; the window now stands at `position`."""
+        self.accumulators, self.position = accumulators, position
+
+    def forget(self) -> None:
+        """A failed step leaves no window to continue."""
+        self.accumulators, self.position = None, 0
+
+
+def pulled_train_function(model, engine, k: int, steps: dict, zeros: Callable[[], list],
+                          carried, frozen) -> Callable:
+    """Keras' train function over pulled micro-batches.
+
+    Args:
+        model: The model being fit.
+        engine: Its engine (the window position: `pending_micro_batches`,
+            `advance_window`).
+        k: Micro-batches per update.
+        steps: `{False: accumulating step, True: applying step}`, each `(state,
+            accumulators, data[, feature values]) -> (logs, state, accumulators[,
+            carried values])`.
+        zeros: Makes fresh zero accumulators.
+        carried, frozen: The features' variables the steps carry and read.
+    """
+    window = Window(zeros)
+    # The features' values are carried beside Keras' state (see
+    # `CarriedFeatureState`), written into their variables when Keras syncs.
+    features = CarriedFeatureState(model, carried, frozen).attach() if (
+        carried or frozen) else None
+
+    def micro_step(state, data):
+        position = engine.pending_micro_batches()
+        accumulators = window.take(position)
+        step = steps[position == k - 1]
+        if features is not None:
+            logs, state, accumulators, values = step(state, accumulators, data,
+                                                     features.inputs())
+            features.carry(values)
+        else:
+            logs, state, accumulators = step(state, accumulators, data)
+        window.keep(accumulators, engine.advance_window(1, k))
+        return logs, state
+
+    def forget_window():
+        window.forget()
+        if features is not None:
+            features.sync()
+
+    train_function = multi_step_train_function(model, engine, micro_step,
+                                               int(model.steps_per_execution),
+                                               on_error=forget_window)
+    train_function.jitted_step = None
+    train_function.pulled_steps = steps
+    train_function.zero_accumulators = zeros
+    return train_function
