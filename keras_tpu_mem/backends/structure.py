@@ -29,10 +29,12 @@ def flatten_structure(element) -> list:
 
 
 def leading_dim(element) -> int | None:
-    """Samples in one (possibly per-replica) batch element or spec.
+    """Samples in one (possibly per-replica) batch element or spec: the first dimension
+    of its first leaf that has one (None where no leaf has, or it is unknown).
 
     Takes TensorFlow specs and tensors (`TensorShape`, unknown dimensions are
-    `None`) and arrays (numpy, JAX: a `shape` tuple) alike.
+    `None`), distributed values (the replicas' batches summed) and arrays (numpy,
+    JAX: a `shape` tuple) alike.
 
     Example:
 
@@ -40,10 +42,16 @@ def leading_dim(element) -> int | None:
     leading_dim((np.zeros((32, 8)), np.zeros(32)))  # 32
     ```
     """
-    leaves = flatten_structure(element) if element is not None else []
-    leaf = leaves[0] if leaves else None
-    if leaf is None:
-        return None
+    for leaf in flatten_structure(element) if element is not None else []:
+        found, dim = _leaf_leading_dim(leaf)
+        if found:
+            return dim
+    return None
+
+
+def _leaf_leading_dim(leaf) -> tuple[bool, int | None]:
+    """`(True, dim)` for a leaf with a first dimension (`dim` None: unknown), else
+    `(False, None)` (a scalar, or no shape at all)."""
     shape = getattr(leaf, "shape", None)
     if shape is None:
         # A PerReplicaSpec (distributed iterator) or a PerReplica value: the
@@ -52,17 +60,19 @@ def leading_dim(element) -> int | None:
 
         parts = tf_compat.per_replica_parts(leaf)
         if not parts:
-            return None
+            return False, None
         sizes = [leading_dim(part) for part in parts]
-        return None if any(s is None for s in sizes) else sum(sizes)
+        return True, None if any(s is None for s in sizes) else sum(sizes)
     try:
         rank = shape.rank  # tf.TensorShape
     except AttributeError:
         rank = len(shape)  # a tuple: numpy, JAX
-    if rank is None or rank == 0:
-        return None
+    if rank is None:
+        return True, None
+    if rank == 0:
+        return False, None
     dim = shape[0]
-    return None if dim is None else int(dim)
+    return True, None if dim is None else int(dim)
 
 
 __all__ = ["flatten_structure", "leading_dim"]

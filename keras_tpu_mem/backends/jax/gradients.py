@@ -24,8 +24,8 @@ import keras
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem.backends.jax.feature_state import FeatureValues, feature_mapping
-from keras_tpu_mem.backends.jax.train_function import leading_dim
 from keras_tpu_mem.backends.step import StepContext
+from keras_tpu_mem.backends.structure import leading_dim
 
 
 class TrainState(NamedTuple):

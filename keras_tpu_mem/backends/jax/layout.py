@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem.backends.mesh import data_parallel_size
 
 
 def _batch_dim(sharding, axis) -> int | None:
@@ -129,16 +130,15 @@ def state_layout(state_shardings, distribution=None):
     if distribution is None or state_shardings is None:
         return None
     axis = distribution.batch_dim_name
-    mesh = distribution.device_mesh
-    names = list(mesh.axis_names)
-    if axis not in names or int(mesh.shape[names.index(axis)]) < 2:
+    shards = data_parallel_size(distribution)
+    if shards < 2:
         return None
     trainable, _, optimizer, _ = state_shardings
     weight_dims = [_batch_dim(s, axis) for s in trainable]
     optimizer_dims = [_batch_dim(s, axis) for s in optimizer]
     if all(d is None for d in (*weight_dims, *optimizer_dims)):
         return None
-    return weight_dims, optimizer_dims, axis, int(mesh.shape[names.index(axis)])
+    return weight_dims, optimizer_dims, axis, shards
 
 
 def make_state_layout(model, state_shardings, distribution=None):

@@ -7,19 +7,8 @@ input state back into the variables before the engine explains the error.
 
 from __future__ import annotations
 
-import jax
-
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._utils import logger
-
-
-def leading_dim(structure) -> int | None:
-    """The first dimension of the first array with a shape in `structure` (None: none)."""
-    for leaf in jax.tree_util.tree_leaves(structure):
-        shape = getattr(leaf, "shape", None)
-        if shape:
-            return int(shape[0])
-    return None
 
 
 def restore_variables(model, state) -> bool:

@@ -78,32 +78,13 @@ from keras_tpu_mem.backends.jax.pulled import (
     zero_accumulators,
 )
 from keras_tpu_mem.backends.jax.reducers import choose_reducer
-from keras_tpu_mem.backends.jax.train_function import leading_dim as _leading_dim
 from keras_tpu_mem.backends.jax.train_function import multi_step_train_function
-from keras_tpu_mem.backends.step import StepContext, check_pulled_micro_batches
+from keras_tpu_mem.backends.mesh import data_parallel_size
+from keras_tpu_mem.backends.step import StepContext, check_pulled_micro_batches, micro_batch_count
+from keras_tpu_mem.backends.structure import leading_dim as _leading_dim
 
 
 # ------------------------------------------------------------- distribution
-def data_parallel_size(distribution=None) -> int:
-    """Devices along the batch axis of a `keras.distribution` (1 without one).
-
-    Args:
-        distribution: A `keras.distribution.Distribution`; the active one if None.
-
-    Returns:
-        The number of data-parallel shards the global batch is split into.
-    """
-    if distribution is None:
-        distribution = keras.distribution.distribution()
-    if distribution is None:
-        return 1
-    mesh = distribution.device_mesh
-    names = list(mesh.axis_names)
-    if distribution.batch_dim_name not in names:
-        return 1
-    return int(mesh.shape[names.index(distribution.batch_dim_name)])
-
-
 def data_parallel_devices(distribution=None) -> list:
     """The JAX devices that hold the batch: the distribution's, else `jax.devices()[:1]`."""
     if distribution is None:
@@ -295,7 +276,7 @@ class Step:
         inputs = self._inputs(features, data, feature_state, reducer.shards,
                               "The global batch", "a global batch")
         state = TrainState(*state)
-        num_micro = _micro_batch_count(features, inputs.size // reducer.shards)
+        num_micro = micro_batch_count(features, inputs.size // reducer.shards)
         if isinstance(num_micro, bool) or not isinstance(num_micro, (int, np.integer)):
             raise TypeError(f"A feature returned {num_micro!r} micro-batches; the JAX "
                             "engine needs a Python int (shapes are static under jit).")
@@ -433,12 +414,3 @@ class Step:
             model, self.engine, step, int(model.steps_per_execution), on_error=on_error)
         train_function.jitted_step = self.jitted_step
         return train_function
-
-
-def _micro_batch_count(features, per_replica_batch):
-    """`Engine.micro_batch_count` over a snapshot of the features."""
-    for feature in features:
-        count = feature.micro_batches(per_replica_batch)
-        if count is not None:
-            return count
-    return 1
