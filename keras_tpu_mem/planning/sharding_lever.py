@@ -51,7 +51,7 @@ def sharding_options(distribution) -> list:
     else:
         own = None
     options = [(own, distribution)]
-    if (distribution is None or not backends.current("plan").compiled.SHARDING_LEVER
+    if (distribution is None or not backends.current("plan").compiled.sharding_lever()
             or _data_axis_size(distribution) < 2):
         return options
     layout_map = keras_compat.distribution_layout_map(distribution)
