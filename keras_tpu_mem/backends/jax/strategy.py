@@ -228,7 +228,7 @@ class Placement:
 
 
 # ----------------------------------------------------------- placement
-# Contract: as in `backends/tensorflow/strategy.py`. On JAX variables are laid
+# Contract: `contracts.Strategy`. On JAX variables are laid
 # out by the active `keras.distribution`, not by a strategy: a model has no
 # strategy, no variable an owner, no strategy is active; a teacher always runs as
 # it is.

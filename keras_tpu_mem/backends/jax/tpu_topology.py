@@ -52,6 +52,8 @@ process with it loads topologies while another holds the lock (both ways: set
 in the environment, or in `os.environ` before the first load, also after a
 failed `jax.devices()` attempt in the same process). `slice_devices` sets it
 where no TPU chip is attached and the user has not set it.
+
+JAX only; contract: `keras_tpu_mem.backends.contracts.TpuTopology`.
 """
 
 from __future__ import annotations
