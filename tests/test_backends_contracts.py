@@ -155,3 +155,23 @@ def test_one_missing_function_or_class_is_reported():
     assert differences("def Step():\n    pass\n\ndef update_variable(variable, fn, *args):\n"
                        "    pass\n", contracts.Trainer) == [
         "Step: [], the contract says class"]
+
+
+def test_every_member_of_a_contract_says_what_it_does():
+    with open(contracts.__file__) as file:
+        tree = ast.parse(file.read())
+    protocols = {protocol.__name__ for protocol in contracts.CONCERNS.values()}
+    classes = [node for node in tree.body
+               if isinstance(node, ast.ClassDef) and node.name in protocols]
+    assert {node.name for node in classes} == protocols
+    for node in classes:
+        assert ast.get_docstring(node), node.name
+        for index, member in enumerate(node.body):
+            if isinstance(member, ast.FunctionDef):
+                assert ast.get_docstring(member), f"{node.name}.{member.name}"
+            elif isinstance(member, ast.AnnAssign):  # a class: its docstring follows it
+                following = node.body[index + 1] if index + 1 < len(node.body) else None
+                assert (isinstance(following, ast.Expr)
+                        and isinstance(following.value, ast.Constant)
+                        and isinstance(following.value.value, str)), (
+                    f"{node.name}.{member.target.id}")
