@@ -156,7 +156,7 @@ def worker_replicas():
     * keras Distiller, default LogitsDistillation() (student_loss_weight=0);
     * ktm.Distillation(teacher, alpha=0.5) on an ordinary compiled student.
     """
-    from keras_tpu_mem.backends.tensorflow.strategy import configure_logical_cpus
+    from keras_tpu_mem.backends.tensorflow.cluster import configure_logical_cpus
 
     configure_logical_cpus(2)
     import keras

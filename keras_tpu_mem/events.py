@@ -24,9 +24,9 @@ _FILE_NUMBERS = itertools.count()
 
 
 def gfile():
-    """The running backend's file functions (`storage.gfile`: `tf.io.gfile` on
+    """The running backend's file functions (`storage.gfile()`: `tf.io.gfile` on
     TensorFlow, TensorBoard's TensorFlow-free stub with fsspec on JAX)."""
-    return backends.current().storage.gfile
+    return backends.current().storage.gfile()
 
 
 class EventFileWriter:

@@ -67,7 +67,7 @@ def check_search_reports_the_recommendations_table(monkeypatch):
     # One by-layer compile for the plan's table, not one per candidate; where the
     # backend has the rematerialisation lever (JAX), one more: the targeted lever
     # ranks the layers from the table of the search's first compile.
-    targeted = 1 if backends.current("plan").compiled.REMATERIALIZE_LEVER else 0
+    targeted = 1 if backends.current("plan").compiled.rematerialize_lever() else 0
     assert len(calls) == 1 + targeted
     table = planned.by_layer
     assert isinstance(table, LayerTable)

@@ -48,9 +48,9 @@ import pytest  # noqa: E402
 if BACKEND == "tensorflow":
     import tensorflow as tf  # noqa: E402
 
-    from keras_tpu_mem.backends.tensorflow.strategy import mirrored_logical_cpus  # noqa: E402
+    from keras_tpu_mem.backends.tensorflow.cluster import mirrored_logical_cpus  # noqa: E402
 
-    # One MirroredStrategy for the whole session (backends/tensorflow/strategy.py,
+    # One MirroredStrategy for the whole session (backends/tensorflow/cluster.py,
     # `_STRATEGIES`, says why).
     MIRRORED = mirrored_logical_cpus(2)
 

@@ -22,7 +22,8 @@ from helpers_jax import (
 )
 
 from keras_tpu_mem.accumulation import GradientAccumulation
-from keras_tpu_mem.backends.jax.trainer import Step, data_parallel_size
+from keras_tpu_mem.backends.jax.trainer import Step
+from keras_tpu_mem.backends.mesh import data_parallel_size
 from keras_tpu_mem.engine import Engine, EngineCallback, observe_first_batch, update_variable
 
 L2 = 0.1

@@ -157,6 +157,6 @@ def test_recommendation_names_the_layers():
     assert _callbacks_repr(rec, []) == "[Rematerialize(layers=['ffn'])]"
     assert _callbacks_repr(everything, []) == "[GradientAccumulation(2), Rematerialize()]"
     # TensorFlow has no layer remat: the search never offers it, and fit refuses it.
-    assert not backends.current("test").compiled.REMATERIALIZE_LEVER
+    assert not backends.current("test").compiled.rematerialize_lever()
     with pytest.raises(ValueError, match="JAX"):
         callback.install(mlp())

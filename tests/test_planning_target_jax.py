@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import keras_tpu_mem as ktm
 from keras_tpu_mem import backends
 from keras_tpu_mem.planning import target as target_module
+from keras_tpu_mem.planning.target import TPU_PLAN_INSTALL
 from keras_tpu_mem.shapes import shapes_only
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -226,7 +227,7 @@ def without_libtpu(monkeypatch):
     if HAS_LIBTPU:
         def fail(tpu):
             raise topology.TPUCompilerUnavailable(
-                f"libtpu is not installed; {topology.TPU_PLAN_INSTALL} adds it.")
+                f"libtpu is not installed; {TPU_PLAN_INSTALL} adds it.")
         monkeypatch.setattr(topology, "slice_devices", fail)
     return topology
 

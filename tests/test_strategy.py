@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import keras_tpu_mem as ktm
-from keras_tpu_mem.backends.tensorflow.strategy import configure_logical_cpus, resolve_tpu_address
+from keras_tpu_mem.backends.tensorflow.cluster import configure_logical_cpus, resolve_tpu_address
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from jax.experimental import topologies
 
 from keras_tpu_mem.backends.jax import tpu_topology
 from keras_tpu_mem.devices.tpu_slices import KNOWN_SLICES, tpu_slice
+from keras_tpu_mem.planning.target import TPU_PLAN_INSTALL
 
 NEEDS_TPU_PLAN = 'needs libtpu: the [tpu-plan] extra (pip install "keras-tpu-mem[tpu-plan]")'
 LOCK_ENV = "ALLOW_MULTIPLE_LIBTPU_LOAD"
@@ -182,7 +183,7 @@ def test_without_libtpu_slice_devices_names_the_install(monkeypatch, fresh_cache
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
     with pytest.raises(tpu_topology.TPUCompilerUnavailable) as err:
         tpu_topology.slice_devices(tpu_slice("v5e-8"))
-    assert tpu_topology.TPU_PLAN_INSTALL in str(err.value)
+    assert TPU_PLAN_INSTALL in str(err.value)
     assert "libtpu is not installed" in str(err.value) and "v5e-8" in str(err.value)
     assert isinstance(err.value, RuntimeError)
     assert not tpu_topology.available()

@@ -4,9 +4,10 @@ A `Backend` is a name and a set of concern modules,
 `keras_tpu_mem/backends/<name>/<concern>.py`, loaded on first use
 (`backend.devices`, `backend.summary`, ...), so that asking for device memory
 never imports the training step. Both backends offer the same functions in a
-concern's module; each module's docstring is the contract for that concern.
-A concern one backend does not have raises `NotImplementedError` naming the
-backend and the concern.
+concern's module: the contract is that concern's protocol in
+`keras_tpu_mem.backends.contracts` (`CONCERNS`; checked by
+`tests/test_backends_contracts.py`). A concern one backend does not have
+(`contracts.ONLY_ON`) raises `NotImplementedError` naming the backend and the concern.
 """
 
 from __future__ import annotations

@@ -99,7 +99,9 @@ class StepContext:
         step never splits a batch it does not know the size of)."""
         if not self._verbs.splits_batches_at_run_time():
             return None
-        return self._verbs.explain_split_error(error, message)
+        from keras_tpu_mem import backends
+
+        return backends.current().batch_split.explain_split_error(error, message)
 
     # ------------------------------------------------------------ a feature's state
     def eagerly(self, fn):

@@ -174,7 +174,7 @@ def capacity(device) -> tuple[int | None, str]:
     """
     stats = memory_stats(device)
     if stats and stats.get("bytes_limit"):
-        reader = backend_devices().ALLOCATOR_READER
+        reader = backend_devices().allocator_reader()
         return int(stats["bytes_limit"]), f"bytes_limit of {reader}"
     platform = device_platform(device)
     if platform == "TPU":

@@ -70,15 +70,15 @@ def resolve_devices(replicas) -> list[_Device]:
     for device in replicas:
         name = devices.device_name(device)
         if devices.is_host_device(device) and (
-                backend.HOST_ALLOCATOR_SHARED or devices.read_memory(device) is None):
+                backend.host_allocator_shared() or devices.read_memory(device) is None):
             host.append((device, name))
             continue
         result.append(_Device(name, backend.reader_queries(device), (name,), shared=False,
-                              resettable=backend.PEAK_RESETTABLE))
+                              resettable=backend.peak_resettable()))
     if host:
         result.insert(0, _Device(SHARED_CPU_LABEL, backend.host_queries([d for d, _ in host]),
                                  tuple(n for _, n in host), shared=True,
-                                 resettable=backend.PEAK_RESETTABLE))
+                                 resettable=backend.peak_resettable()))
     return result
 
 

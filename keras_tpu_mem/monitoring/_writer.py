@@ -74,7 +74,7 @@ class _RunFiles:
         self.timeline_path = os.path.join(self.dir, TIMELINE_FILE)
         self._lines: list[str] = []
         if self._remote:
-            self._gfile = backends.current().storage.gfile
+            self._gfile = backends.current().storage.gfile()
             self._gfile.makedirs(self.dir)
             if self._gfile.exists(self.timeline_path):
                 with self._gfile.GFile(self.timeline_path, "r") as f:

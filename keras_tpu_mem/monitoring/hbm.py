@@ -159,7 +159,7 @@ class HBMMonitor(_MonitorBase):
     def _setup(self) -> bool:
         """Finds the devices, picks each one's source; False if none can be read."""
         backend = backends.current("HBMMonitor")
-        self._reader = backend.devices.ALLOCATOR_READER
+        self._reader = backend.devices.allocator_reader()
         self._devices = resolve_devices(devices.model_devices(self.model))
         self._capacity_source = assign_capacity(self._devices, self.capacity_bytes)
         unreadable = []
@@ -173,8 +173,8 @@ class HBMMonitor(_MonitorBase):
                     "HBMMonitor: memory source: host RSS. %s, so the hbm_* keys carry the "
                     "resident memory of the whole process (%r; peak: %s): weights, data, "
                     "Python and %s itself, not HBM. %s",
-                    backend.devices.HOST_RSS_WHY, HOST_RSS_LABEL, devices.host_peak_method(),
-                    backend.label, backend.devices.HOST_RSS_FIX,
+                    backend.devices.host_rss_why(), HOST_RSS_LABEL, devices.host_peak_method(),
+                    backend.label, backend.devices.host_rss_fix(),
                 )
             else:
                 unreadable.append(device)
@@ -184,7 +184,7 @@ class HBMMonitor(_MonitorBase):
                 "unreadable",
                 "HBMMonitor: cannot read memory on %s: %s. Training continues without "
                 "memory logging for %s.",
-                names, backend.devices.UNREADABLE_WHY, "it" if len(unreadable) == 1 else "them",
+                names, backend.devices.unreadable_why(), "it" if len(unreadable) == 1 else "them",
                 warning=True,
             )
             self._devices = [d for d in self._devices if d not in unreadable]
@@ -192,7 +192,7 @@ class HBMMonitor(_MonitorBase):
         if self._devices and not any(d.process_wide for d in self._devices):
             # (The host-RSS notice above already names its source.)
             # Where no peak can be reset, name the reader: its peak is a process-wide mark.
-            fixed_peak = backend.devices.PEAK_RESETTABLE is False
+            fixed_peak = backend.devices.peak_resettable() is False
             reader = f" ({self._reader})" if fixed_peak else ""
             self._notice("sources", "HBMMonitor: memory source: %s.", "; ".join(
                 f"{d.label} <- {devices.describe_source(d.source)}{reader}"

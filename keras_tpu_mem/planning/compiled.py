@@ -25,6 +25,7 @@ import keras
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int, logger
+from keras_tpu_mem.backends.contracts import CompileRefused
 from keras_tpu_mem.devices.units import dtype_bytes
 from keras_tpu_mem.engine.compile import compile_context
 from keras_tpu_mem.engine.core import Engine
@@ -252,7 +253,7 @@ class Compiler:
             if (type(feature).batches_per_update is not Feature.batches_per_update
                     and (feature.batches_per_update() or 1) > 1):
                 raise ValueError(f"{self.what}: {type(feature).__name__} with micro-batches "
-                                 f"pulled from the dataset {self.backend.PULLED_STEP}")
+                                 f"pulled from the dataset {self.backend.pulled_step()}")
         shards = self.backend.compile_shards()
         if global_batch % shards:
             raise ValueError(
@@ -284,12 +285,10 @@ class Compiler:
         micro = _micro_batches(model, features, global_batch // shards)
         description = (f"the engine's step for {', '.join(type(f).__name__ for f in features)}"
                        if features else "the model's train step")
-        refused = getattr(self.backend, "CompileRefused", ())
-        extra = {} if keras_step is None else {"keras_step": keras_step}
         try:
             stats = self.backend.compile_step(model, xs, ys, features, compile_context,
-                                              hlo_text, description, **extra)
-        except refused as verdict:
+                                              hlo_text, description, keras_step=keras_step)
+        except CompileRefused as verdict:
             stats = self._refused_stats(model, xs, ys, verdict)
         trainable = _device_bytes(model.trainable_weights, self.backend)
         result = CompiledMemory(
@@ -327,9 +326,9 @@ class Compiler:
                  + _device_bytes(model.optimizer.variables, self.backend)
                  + _device_bytes(keras.tree.flatten((xs, ys)), self.backend, variables=False))
         required = verdict.required_bytes or 0
-        platform, devices = self.backend.platform_and_devices()
         return dict(argument=state, temp=max(0, required - state), live_out=0, alias=0,
-                    constant=0, module_name="", platform=platform, devices=devices,
+                    constant=0, module_name="", platform=verdict.platform,
+                    devices=verdict.devices,
                     hlo_text="", refused=verdict.message)
 
 

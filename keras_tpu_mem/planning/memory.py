@@ -160,9 +160,9 @@ class CompiledMemory:
         compiled = backends.get(self.backend).compiled
         if self.replicas > 1:
             batch = (f"global batch {self.batch_size}, {self.batch_size // self.replicas} "
-                     f"per {compiled.UNIT}")
+                     f"per {compiled.unit()}")
         elif self.devices > 1:  # a plan's compile at one device's share of the batch
-            batch = f"{compiled.TABLE_SCOPE} batch {self.batch_size}"
+            batch = f"{compiled.table_scope()} batch {self.batch_size}"
         else:
             batch = f"batch {self.batch_size}"
         head = (f"XLA buffer assignment of {step}, {batch} "

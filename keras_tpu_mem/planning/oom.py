@@ -136,7 +136,7 @@ def explain_out_of_memory(model, features, global_batch_size, error,
         return StepOutOfMemoryError(
             head + f" The compiled breakdown could not be made ({type(err).__name__}: "
             f"{err}); the original error follows.", None, global_batch_size)
-    per = compiled.UNIT  # what one compile's bytes are of: "replica", or "device" (JAX)
+    per = compiled.unit()  # what one compile's bytes are of: "replica", or "device" (JAX)
     lines = [head,
              f"XLA's compile of this step, per {per} (per-{per} batch "
              f"{memory.per_replica_batch}):",
@@ -149,7 +149,7 @@ def explain_out_of_memory(model, features, global_batch_size, error,
              + (f"{fb(budget.capacity_bytes)} ({budget.source})" if searched else
                 "unknown (set it with ktm.planning.set_oom_device('v5litepod-8' or "
                 "'16GiB') for a recommendation)")]
-    lines.extend(failing_lines(model, features, memory, compiled.UNIT))
+    lines.extend(failing_lines(model, features, memory, compiled.unit()))
     rec = memory.recommendation
     if searched and rec is not None:
         lines.append(f"Smallest change that fits ({headroom:.0%} headroom): {rec.describe()}, "

@@ -256,7 +256,7 @@ def plan(
         # XLA:TPU answers about the step it compiles: no estimate.
         callbacks = _levers_for(model, accumulation_steps, precision, compile_batches)
         accumulation_steps = precision = None
-    if callbacks is None and not search and not backends.current("plan").compiled.ESTIMATES:
+    if callbacks is None and not search and not backends.current("plan").compiled.estimates():
         # No estimate here (JAX compiles are cheap, and its small-batch compiles
         # do not extrapolate): the step is compiled at the plan's batch, with the
         # levers the arguments name.

@@ -1,6 +1,6 @@
 """The search's rematerialisation lever: every layer, or only the largest activation holders.
 
-Where the backend has layer rematerialisation as a lever (`compiled.REMATERIALIZE_LEVER`),
+Where the backend has layer rematerialisation as a lever (`compiled.rematerialize_lever()`),
 `plan(..., search=True)` compiles, after a configuration as it is, a few
 `Rematerialize(layers=[...])` candidates built from `CompiledMemory.by_layer()` of the
 search's first compile — the layers holding the most saved activations — and then

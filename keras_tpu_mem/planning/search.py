@@ -185,7 +185,7 @@ class _LeverSearch:
         # Rematerialisation where the backend has it as a lever (JAX: whole layers); its
         # targeted options are read from the by-layer table of the candidate
         # (1, as it is, float32, nothing recomputed) when the first is needed.
-        self.remat = RematLever(model, backends.current("plan").compiled.REMATERIALIZE_LEVER)
+        self.remat = RematLever(model, backends.current("plan").compiled.rematerialize_lever())
         self._options = self.remat.options(lambda: self.step((0, 0, 0)))
         self.combos = []
         self._bounds = {}

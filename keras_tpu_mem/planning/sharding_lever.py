@@ -44,7 +44,7 @@ def sharding_options(distribution) -> list:
     else:
         own = None
     options = [(own, distribution)]
-    if (distribution is None or not backends.current("plan").compiled.SHARDING_LEVER
+    if (distribution is None or not backends.current("plan").compiled.sharding_lever()
             or data_parallel_size(distribution) < 2):
         return options
     layout_map = keras_compat.distribution_layout_map(distribution)

@@ -83,7 +83,7 @@ def _is_float_dtype(dtype) -> bool:
 
 def _spec_hint() -> str:
     """How to give specs, naming only the running backend's classes (no `tf.` on JAX)."""
-    name = backends.current().compiled.SPEC_NAME
+    name = backends.current().compiled.spec_name()
     return (f"`x_spec=`/`y_spec=` as {name} or keras.KerasTensor structures with the batch "
             "first and every other dimension set")
 

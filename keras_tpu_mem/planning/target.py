@@ -136,7 +136,7 @@ def resolve(device, compiler: str, what: str, mesh=None):
         if compiler == "tpu":
             raise ValueError(f"{what}: compiler='tpu' needs XLA:TPU: {err}") from err
         return None, (f"XLA:CPU's compile, not XLA:TPU's: {err}")
-    capacity = backend.compiled.xla_capacity(devices)
+    capacity = topology.xla_capacity(devices)
     return CompileTarget(tpu, devices, topology.libtpu_version() or "?", capacity,
                          mesh), None
 
@@ -224,7 +224,7 @@ def on_this_machine(distribution, target: CompileTarget):
     Raises:
         ValueError: this machine's devices are not the slice's.
     """
-    devices = backends.current("Recommendation.distribution").compiled.all_devices()
+    devices = backends.current("Recommendation.distribution").tpu_topology.all_devices()
     kind = target.devices[0].device_kind
     kinds = {d.device_kind for d in devices}
     if len(devices) != len(target.devices) or kinds != {kind}:

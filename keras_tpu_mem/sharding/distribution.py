@@ -29,6 +29,7 @@ import numpy as np
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.backends.contracts import ShardedStateUnavailable
 from keras_tpu_mem.backends.mesh import axis_size
 from keras_tpu_mem.devices.units import dtype_bytes
 from keras_tpu_mem.engine.core import engage
@@ -46,11 +47,15 @@ _WATCHED = weakref.WeakSet()
 
 def sharding_concern(what: str):
     """The backend's `sharding` concern, once the backend is known to lay model state
-    out over devices (`Backend.shards_state`); `what` names the caller in the error
-    that TensorFlow's concern raises (naming JAX)."""
+    out over devices (`Backend.shards_state`).
+
+    Raises:
+        ShardedStateUnavailable: (a `RuntimeError`) on a backend that does not, naming
+            `what` and JAX.
+    """
     backend = backends.current(what)
     if not backend.shards_state():
-        backend.sharding.refuse(what)
+        raise ShardedStateUnavailable(what)
     return backend.sharding
 
 

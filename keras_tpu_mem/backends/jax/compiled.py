@@ -13,15 +13,13 @@ structs hold no data, and the model's variables are only read for their
 shapes, dtypes and layouts (so this works during a `fit`, whose JAX trainer
 purges the variables' values, as the OOM explanation needs).
 
-Contract: see `backends/tensorflow/compiled.py`; here `UNIT` is `"device"` and
-`TABLE_SCOPE` `"per device"`.
+Contract: `keras_tpu_mem.backends.contracts.Compiled`; here `unit()` is `"device"`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import tempfile
 
 import jax
@@ -30,60 +28,51 @@ import keras
 import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem.backends.contracts import CompileRefused
 from keras_tpu_mem.backends.jax.layout import (
     make_state_layout,
     partitioner_shards_state,
 )
 
-UNIT = "device"
-TABLE_SCOPE = "per device"
-# Whole layers can be recomputed on JAX (`Rematerialize(mode="layers")`).
-REMATERIALIZE_LEVER = True
-# `plan(..., search=True)` also tries the state split over the data-parallel
-# devices of the active distribution (ShardedDataParallel).
-SHARDING_LEVER = True
-# `plan` without callbacks compiles the step at the plan's batch: JAX compiles
-# are cheap, and small-batch compiles of its step do not extrapolate linearly.
-ESTIMATES = False
-PULLED_STEP = ("is not an engine step on JAX; plan GradientAccumulation(steps) "
-               "(dataset_yields='global_batches') at the batch of one update.")
+
+def unit() -> str:
+    """`"device"`: under SPMD one compile is one device's program."""
+    return "device"
 
 
-SPEC_NAME = "jax.ShapeDtypeStruct"
+def table_scope() -> str:
+    return "per device"
+
+
+def rematerialize_lever() -> bool:
+    """Yes: whole layers can be recomputed on JAX (`Rematerialize(mode="layers")`)."""
+    return True
+
+
+def sharding_lever() -> bool:
+    """Yes: `plan(..., search=True)` also tries the state split over the data-parallel
+    devices of the active distribution (ShardedDataParallel)."""
+    return True
+
+
+def estimates() -> bool:
+    """No: `plan` without callbacks compiles the step at the plan's batch (JAX compiles
+    are cheap, and small-batch compiles of its step do not extrapolate linearly)."""
+    return False
+
+
+def pulled_step() -> str:
+    return ("is not an engine step on JAX; plan GradientAccumulation(steps) "
+            "(dataset_yields='global_batches') at the batch of one update.")
+
+
+def spec_name() -> str:
+    return "jax.ShapeDtypeStruct"
 
 
 def make_spec(shape, dtype_name: str):
     """A `jax.ShapeDtypeStruct` (exposes `.shape` and `.dtype.name`)."""
     return jax.ShapeDtypeStruct(tuple(int(d) for d in shape), jnp.dtype(dtype_name))
-
-
-class CompileRefused(RuntimeError):
-    """XLA refused to compile the step because it does not fit the device (XLA:TPU's
-    RESOURCE_EXHAUSTED at compile time): a verdict, with XLA's own message.
-
-    Attributes:
-        message: XLA's message, on one line.
-        required_bytes, available_bytes: Its figures ("the total memory required
-            for HLO temporaries (16.35G) exceeds available HBM (15.75G)"), None where
-            the message has none.
-    """
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
-        match = _REFUSAL.search(message)
-        self.required_bytes = None if match is None else _bytes(match.group(1))
-        self.available_bytes = None if match is None else _bytes(match.group(2))
-
-
-# XLA:TPU's refusal; it prints byte counts with binary units ("15.75G" = 15.75 GiB).
-_REFUSAL = re.compile(r"\(([\d.]+[KMGT]?)\) exceeds available HBM \(([\d.]+[KMGT]?)\)")
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def _bytes(text: str) -> int:
-    unit = _UNITS.get(text[-1], 1)
-    return int(float(text.rstrip("KMGT")) * unit)
 
 
 def compiles_deferred() -> bool:
@@ -212,47 +201,12 @@ def _batch_structs(distribution, xs, ys):
         lambda s: _struct(s.shape, s.dtype, _data_sharding(distribution, s.shape)), (xs, ys))
 
 
-def platform_and_devices(distribution=None):
+def _platform_and_devices(distribution=None):
     """`(platform, devices)` the active distribution (or `distribution`) compiles for:
     `("TPU", 16)`."""
     distribution = distribution if distribution is not None else _distribution()
     devices = _mesh_devices(distribution)
     return str(devices[0].platform).upper(), (1 if distribution is None else len(devices))
-
-
-def all_devices() -> list:
-    """Every device of the job (all processes), as a distribution over them names them."""
-    return list(jax.devices())
-
-
-_CAPACITY: dict = {}
-
-
-def xla_capacity(devices) -> int:
-    """One device's memory as XLA counts it when it refuses a program ("exceeds
-    available HBM (15.75G)" on TPU v5 lite: the chip's 16 GiB less what the runtime
-    keeps), read by compiling a program that cannot fit (nothing runs; cached per device
-    kind).
-
-    Raises:
-        RuntimeError: XLA compiled the probe or refused it without that figure.
-    """
-    kind = devices[0].device_kind
-    if kind not in _CAPACITY:
-        mesh = jax.sharding.Mesh(np.asarray(devices[:1]), ("d",))
-        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        # 4 TiB of float32: more than any accelerator holds.
-        big = jax.ShapeDtypeStruct((2**40,), jnp.float32, sharding=whole)
-        try:
-            jax.jit(lambda x: x + 1, out_shardings=whole).lower(big).compile()
-        except Exception as err:
-            refused = CompileRefused(" ".join(str(err).split()))
-            if refused.available_bytes is None or not is_out_of_memory(err):
-                raise RuntimeError(f"XLA gave no memory capacity for {kind}: {err}") from err
-            _CAPACITY[kind] = refused.available_bytes
-        else:
-            raise RuntimeError(f"XLA compiled 4 TiB for one {kind}: no capacity to read.")
-    return _CAPACITY[kind]
 
 
 def _module_name(compiled) -> str:
@@ -300,7 +254,7 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
             outputs = len(jax.eval_shape(step, state, batch))
             out_shardings += (None,) * (outputs - len(out_shardings))
         jitted = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
-        platform, devices = platform_and_devices(distribution)
+        platform, devices = _platform_and_devices(distribution)
         try:
             if dump:
                 compiled, texts = _compile_dumped(jitted.lower(state, batch), platform)
@@ -310,7 +264,7 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
         except Exception as err:
             first = str(err).splitlines()[0] if str(err) else ""
             if is_out_of_memory(err):
-                raise CompileRefused(" ".join(str(err).split())) from err
+                raise CompileRefused(" ".join(str(err).split()), platform, devices) from err
             raise RuntimeError(f"XLA could not compile {description} on JAX "
                                f"({type(err).__name__}: {first}).") from err
     stats = jax_compat.memory_analysis(compiled)

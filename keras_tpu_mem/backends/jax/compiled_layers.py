@@ -24,10 +24,7 @@ starts" (XLA schedules backward instructions that need no forward value early). 
 `at_peak` are its buffers in the live-range dump's peak list, so the rows sum to
 XLA's peak exactly.
 
-Contract (the TensorFlow module has the same functions): `require()` (raises where
-the backend has no attribution),
-`layer_rows(model, texts, device_shape)` -> `(rows, peak_bytes)`, `rows` a dict
-`{row: [weights, optimizer, saved_activations, at_peak]}` in bytes per device.
+Contract: `keras_tpu_mem.backends.contracts.CompiledLayers`.
 """
 
 from __future__ import annotations

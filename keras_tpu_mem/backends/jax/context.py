@@ -127,5 +127,5 @@ def splits_batches_at_run_time() -> bool:
     # JAX's step never splits a batch whose size it does not know: every size is
     # a Python int when the step is traced, and a batch that does not split was
     # refused then (`GradientAccumulation.micro_batches`), before any step ran.
-    # So no error of the step is a split's, and there is no `explain_split_error`.
+    # So no error of the step is a split's, and JAX has no `batch_split` concern.
     return False

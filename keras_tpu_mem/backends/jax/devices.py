@@ -1,6 +1,6 @@
 """Devices and their memory on JAX: `jax.Device`s and their `memory_stats()`.
 
-Contract: as `backends/tensorflow/devices.py`; a *device* here is a
+Contract: `keras_tpu_mem.backends.contracts.Devices`; a *device* here is a
 `jax.Device` (anything with `platform`, `id` and `memory_stats`), and
 `replica_devices(where)` takes a `keras.distribution.Distribution`.
 
@@ -18,15 +18,33 @@ import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
 
-ALLOCATOR_READER = "jax.Device.memory_stats()"
-PEAK_RESETTABLE = False  # JAX exposes no reset of peak_bytes_in_use
-# Each device has its own statistics where it keeps any; the host's memory
-# stands in only for CPU devices that keep none.
-HOST_ALLOCATOR_SHARED = False
-HOST_RSS_WHY = ("JAX's CPU devices keep no memory statistics "
-                "(jax.Device.memory_stats() is None)")
-HOST_RSS_FIX = "On a TPU or GPU the monitor reads each device's own memory_stats() instead."
-UNREADABLE_WHY = "jax.Device.memory_stats() returns nothing there"
+
+def allocator_reader() -> str:
+    return "jax.Device.memory_stats()"
+
+
+def peak_resettable() -> bool | None:
+    """False: JAX exposes no reset of `peak_bytes_in_use`."""
+    return False
+
+
+def host_allocator_shared() -> bool:
+    """False: each device has its own statistics where it keeps any; the host's memory
+    stands in only for CPU devices that keep none."""
+    return False
+
+
+def host_rss_why() -> str:
+    return "JAX's CPU devices keep no memory statistics (jax.Device.memory_stats() is None)"
+
+
+def host_rss_fix() -> str:
+    return "On a TPU or GPU the monitor reads each device's own memory_stats() instead."
+
+
+def unreadable_why() -> str:
+    return "jax.Device.memory_stats() returns nothing there"
+
 
 #: `jax.Device.platform` -> the kind in a device's name ("TPU:0", "GPU:1", "CPU:0").
 _PLATFORM_KIND = {"tpu": "TPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "cpu": "CPU"}

@@ -11,9 +11,7 @@ ever holds a whole copy of a sharded variable. Keras' random initializers
 draw from a counter-based generator keyed by their integer seed, so the
 values do not depend on the layout: the same as a normal build.
 
-Contract (`backends/tensorflow/materialize.py` offers the same):
-`scope(model)`, `initialize(variable, initializer)`, `place(initializer, shape,
-dtype, sharding)`.
+Contract: `keras_tpu_mem.backends.contracts.Materialize`.
 """
 
 from __future__ import annotations

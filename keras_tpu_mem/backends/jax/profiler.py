@@ -1,7 +1,7 @@
 """Profiling on JAX: `jax.profiler`'s public API (checked: jax 0.10.2), writing
 the same XProf files as TensorFlow's profiler; nothing of it imports TensorFlow.
 
-Contract: as `backends/tensorflow/profiler.py`.
+Contract: `keras_tpu_mem.backends.contracts.Profiler`.
 """
 
 from __future__ import annotations

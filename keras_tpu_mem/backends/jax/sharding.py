@@ -7,9 +7,8 @@ one is: give it the new layout, then assign its value laid out that way
 (`jax.device_put` onto the layout's `NamedSharding`). The value's bytes are
 kept; only where they lie changes.
 
-Contract (`backends/tensorflow/sharding.py` raises for each, naming JAX):
-`resolve_devices(devices)`, `move(variable, layout)`, `sharded_axes(variable)`,
-`device_bytes(variable)`. Callers ask `Backend.shards_state()` first.
+Contract: `keras_tpu_mem.backends.contracts.Sharding` (`backends/tensorflow/sharding.py`
+raises for each, naming JAX). Callers ask `Backend.shards_state()` first.
 """
 
 from __future__ import annotations

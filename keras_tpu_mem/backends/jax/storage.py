@@ -4,9 +4,9 @@ TensorBoard's `tensorboard.compat.tf` loads the real TensorFlow whenever it is
 installed (seconds of start-up, hundreds of MiB, and on a GPU machine its CUDA
 libraries, inside a JAX run); its stub `gfile` reads and writes local paths and
 every fsspec file system (`gs://` with gcsfs installed) without it. It has no
-`rename`: `gfile` here is the stub with one added, through fsspec for remote paths.
+`rename`: `gfile()` here is the stub with one added, through fsspec for remote paths.
 
-Contract: as `backends/tensorflow/storage.py`.
+Contract: `keras_tpu_mem.backends.contracts.Storage`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,13 @@ def _rename(src: str, dst: str, overwrite: bool = False) -> None:
     fs.mv(src_path, fsspec.core.url_to_fs(dst)[1])
 
 
-gfile = types.SimpleNamespace(GFile=_stub.GFile, exists=_stub.exists,
-                              makedirs=_stub.makedirs, rename=_rename)
+_GFILE = types.SimpleNamespace(GFile=_stub.GFile, exists=_stub.exists,
+                               makedirs=_stub.makedirs, rename=_rename)
+
+
+def gfile():
+    """TensorBoard's stub `gfile` with `rename` added."""
+    return _GFILE
 
 
 def remote_path_problem(path: str) -> str | None:

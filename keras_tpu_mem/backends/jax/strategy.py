@@ -13,10 +13,10 @@ Multi-host (TPU pods, or several processes on one machine):
 `jax.distributed.initialize`) before it looks at the devices; pass
 `coordinator_address`, `num_processes` and `process_id` where the environment
 does not say them (on Cloud TPU pods JAX finds them itself). Each process then
-feeds its own share of every global batch (`ArrayBatches` slices it), and the
+feeds its own share of every global batch (`batches.ArrayBatches` slices it), and the
 distribution is built with `auto_shard_dataset=False`.
 
-Contract: as `backends/tensorflow/strategy.py`.
+Contract: `keras_tpu_mem.backends.contracts.Strategy`.
 """
 
 from __future__ import annotations
@@ -30,84 +30,17 @@ import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem.backends.jax import sharding
+from keras_tpu_mem.backends.jax.batches import ArrayBatches
 from keras_tpu_mem.backends.mesh import axis_size
 
 _PLATFORM_KIND = {"tpu": "TPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "cpu": "CPU"}
 
 
-class ArrayBatches(keras.utils.PyDataset):
-    """Static global batches of in-memory arrays, in order, for `fit` on JAX.
-
-    Every batch has exactly `global_batch_size` rows (the last partial batch
-    is dropped unless `drop_remainder=False`), so XLA compiles one step. Under
-    several processes each yields only its own rows of every global batch,
-    which is what `keras.distribution` expects of each process's input.
-
-    Args:
-        data: An array, or a tuple / list / dict of arrays of one length.
-        global_batch_size: Rows per step over all processes.
-        drop_remainder: Drop the last partial batch.
-        process_index, process_count: This process's place among the
-            processes that feed the distribution.
-
-    Example:
-
-    ```python
-    import numpy as np
-    from keras_tpu_mem.backends.jax.strategy import ArrayBatches
-
-    batches = ArrayBatches(np.arange(40), 8, process_index=1, process_count=2)
-    batches[1]   # array([12, 13, 14, 15]): process 1's half of rows 8-15
-    ```
-    """
-
-    def __init__(self, data, global_batch_size, *, drop_remainder=True,
-                 process_index=0, process_count=1):
-        super().__init__()
-        self.data = data
-        leaves = keras.tree.flatten(data)
-        if not leaves:
-            raise ValueError("`dataset` holds no arrays.")
-        lengths = {len(leaf) for leaf in leaves}
-        if len(lengths) != 1:
-            raise ValueError(
-                f"Every array in `dataset` needs the same length; got {sorted(lengths)}.")
-        self.num_examples = lengths.pop()
-        self.global_batch_size = global_batch_size
-        self.process_index, self.process_count = process_index, process_count
-        if global_batch_size % process_count:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} does not split over "
-                f"{process_count} processes; use a multiple of {process_count}.")
-        full, rest = divmod(self.num_examples, global_batch_size)
-        self._batches = full + (1 if rest and not drop_remainder else 0)
-        if self._batches == 0:
-            raise ValueError(
-                f"`dataset` has {self.num_examples} examples, fewer than one global batch of "
-                f"{global_batch_size}.")
-
-    def __len__(self):
-        return self._batches
-
-    def __getitem__(self, index):
-        if not 0 <= index < self._batches:
-            raise IndexError(index)
-        start = index * self.global_batch_size
-        stop = min(start + self.global_batch_size, self.num_examples)
-        share = (stop - start) // self.process_count
-        begin = start + self.process_index * share
-        rows = slice(begin, begin + share)
-        batch = keras.tree.map_structure(lambda a: a[rows], self.data)
-        return tuple(batch) if isinstance(batch, list) else batch
-
-
-def place(tpu: str | None, logical_cpus: int | None, *, layout_map=None, mesh_shape=None,
-          multi_host: bool = False, coordinator_address: str | None = None,
-          num_processes: int | None = None, process_id: int | None = None,
-          sharded=None, **unexpected) -> Placement:
+def place(tpu: str | None, logical_cpus: int | None, **options) -> Placement:
     """Lays a `keras.distribution` over `jax.devices()` (see the module docstring).
 
-    Args:
+    Args (`options`: `layout_map`, `mesh_shape`, `multi_host`, `coordinator_address`,
+    `num_processes`, `process_id`, `sharded`):
         tpu: `None` or `"local"`: JAX finds the TPU chips of a TPU VM itself.
             A TPU name or `grpc://` address belongs to TensorFlow's TPUStrategy
             and is refused with an explanation.
@@ -132,6 +65,12 @@ def place(tpu: str | None, logical_cpus: int | None, *, layout_map=None, mesh_sh
         TypeError: an argument of neither backend, or a `layout_map` that is
             not a `LayoutMap`.
     """
+    return _place(tpu, logical_cpus, **options)
+
+
+def _place(tpu, logical_cpus, *, layout_map=None, mesh_shape=None, multi_host: bool = False,
+           coordinator_address: str | None = None, num_processes: int | None = None,
+           process_id: int | None = None, sharded=None, **unexpected) -> Placement:
     if unexpected:
         raise TypeError(f"TPUStrategyWrapper got unexpected keyword arguments: "
                         f"{', '.join(sorted(unexpected))}.")
@@ -290,7 +229,7 @@ class Placement:
 
 
 # ----------------------------------------------------------- placement
-# Contract: as in `backends/tensorflow/strategy.py`. On JAX variables are laid
+# Contract: `contracts.Strategy`. On JAX variables are laid
 # out by the active `keras.distribution`, not by a strategy: a model has no
 # strategy, no variable an owner, no strategy is active; a teacher always runs as
 # it is.

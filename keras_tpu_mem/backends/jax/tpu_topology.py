@@ -52,6 +52,8 @@ process with it loads topologies while another holds the lock (both ways: set
 in the environment, or in `os.environ` before the first load, also after a
 failed `jax.devices()` attempt in the same process). `slice_devices` sets it
 where no TPU chip is attached and the user has not set it.
+
+JAX only; contract: `keras_tpu_mem.backends.contracts.TpuTopology`.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ import types
 
 from keras_tpu_mem._utils import logger
 
-TPU_PLAN_INSTALL = 'pip install "keras-tpu-mem[tpu-plan]"'
+_PLAN_INSTALL = 'pip install "keras-tpu-mem[tpu-plan]"'
 
 # The distributions that ship libtpu.so: `jax[tpu]` installs "libtpu"; older
 # and nightly setups have "libtpu-nightly".
@@ -89,7 +91,7 @@ class TPUCompilerUnavailable(RuntimeError):
     """XLA:TPU cannot compile here: libtpu is not installed or failed to load.
 
     The message says why (the first line of libtpu's error) and names
-    `TPU_PLAN_INSTALL`, the install that brings libtpu.
+    the install that brings libtpu.
     """
 
 
@@ -128,7 +130,7 @@ def slice_devices(tpu) -> list:
         TypeError: if `tpu` is not a `TPUSlice`.
         ValueError: if `tpu` is a str `tpu_slice` refuses.
         TPUCompilerUnavailable: if libtpu is not installed or fails to load; the
-            message says why and names `TPU_PLAN_INSTALL`.
+            message says why and names the install that brings libtpu.
 
     Example:
 
@@ -173,7 +175,7 @@ def _load(tpu) -> list:
     if libtpu_version() is None and not _library_path_from_user():
         raise TPUCompilerUnavailable(
             f"libtpu is not installed: compiling for TPU slice {tpu.name} on a machine without "
-            f"a TPU needs XLA:TPU's compiler, libtpu ({TPU_PLAN_INSTALL}; Linux x86-64).")
+            f"a TPU needs XLA:TPU's compiler, libtpu ({_PLAN_INSTALL}; Linux x86-64).")
     tpu_attached = _tpu_chips_attached()
     if not tpu_attached and _LOCK_ENV not in os.environ:
         # libtpu's process lock guards TPU chips, and there are none here: without
@@ -210,7 +212,7 @@ def _load_failure(tpu, err: Exception) -> str:
     if "lockfile" in first_line:
         return (f"{why} Another process holds libtpu's lock; {_LOCK_ENV}=1 lets "
                 f"processes share it where no TPU is attached.")
-    return f"{why} Reinstall the libtpu that matches jax: {TPU_PLAN_INSTALL}."
+    return f"{why} Reinstall the libtpu that matches jax: {_PLAN_INSTALL}."
 
 
 def _library_path_from_user() -> bool:
@@ -274,3 +276,49 @@ def _duplicate_stderr() -> int | None:
         return os.dup(2)
     except OSError:
         return None
+
+
+def all_devices() -> list:
+    """Every device of the job (all processes), as a distribution over them names them:
+    what a plan compiled for a slice's compile-only devices is rebuilt over when this
+    job runs on that slice (`Recommendation.distribution()`)."""
+    import jax
+
+    return list(jax.devices())
+
+
+_CAPACITY: dict = {}
+
+
+def xla_capacity(devices) -> int:
+    """One device's memory as XLA counts it when it refuses a program ("exceeds
+    available HBM (15.75G)" on TPU v5 lite: the chip's 16 GiB less what the runtime
+    keeps), the capacity a plan on the slice is held to; read by compiling a program
+    that cannot fit (nothing runs; cached per device kind).
+
+    Raises:
+        RuntimeError: XLA compiled the probe or refused it without that figure.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from keras_tpu_mem.backends.contracts import CompileRefused
+    from keras_tpu_mem.backends.jax.compiled import is_out_of_memory
+
+    kind = devices[0].device_kind
+    if kind not in _CAPACITY:
+        mesh = jax.sharding.Mesh(np.asarray(devices[:1]), ("d",))
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        # 4 TiB of float32: more than any accelerator holds.
+        big = jax.ShapeDtypeStruct((2**40,), jnp.float32, sharding=whole)
+        try:
+            jax.jit(lambda x: x + 1, out_shardings=whole).lower(big).compile()
+        except Exception as err:
+            refused = CompileRefused(" ".join(str(err).split()))
+            if refused.available_bytes is None or not is_out_of_memory(err):
+                raise RuntimeError(f"XLA gave no memory capacity for {kind}: {err}") from err
+            _CAPACITY[kind] = refused.available_bytes
+        else:
+            raise RuntimeError(f"XLA compiled 4 TiB for one {kind}: no capacity to read.")
+    return _CAPACITY[kind]

@@ -85,15 +85,6 @@ from keras_tpu_mem.backends.structure import leading_dim as _leading_dim
 
 
 # ------------------------------------------------------------- distribution
-def data_parallel_devices(distribution=None) -> list:
-    """The JAX devices that hold the batch: the distribution's, else `jax.devices()[:1]`."""
-    if distribution is None:
-        distribution = keras.distribution.distribution()
-    if distribution is None:
-        return jax.devices()[:1]
-    return list(np.asarray(distribution.device_mesh.devices).flat)
-
-
 def update_variable(variable, fn, *args):
     """`fn(variable, *args)`: the step is one SPMD program inside a
     `keras.StatelessScope`, where an assignment becomes the step's new value on
@@ -107,7 +98,7 @@ def _raising(error: Exception):
     yield  # a generator: the error comes at the first `next()`, not at the call
 
 
-class StepInputs(NamedTuple):
+class _StepInputs(NamedTuple):
     """What every step reads first from its data and feature values."""
 
     has_feature_state: bool  # the features own variables: the step returns the carried
@@ -240,7 +231,7 @@ class Step:
         return groups[0][1], groups[1][1], groups[2][1]
 
     # --------------------------------------------------------------- the steps
-    def _inputs(self, features, data, feature_state, shards, what, instead) -> StepInputs:
+    def _inputs(self, features, data, feature_state, shards, what, instead) -> _StepInputs:
         """What every step reads first; the batch must split over the `shards`
         data-parallel devices (else a `ValueError` naming `what` and `instead`)."""
         has_feature_state = any(feature_variables(features))
@@ -261,7 +252,7 @@ class Step:
                 f"{what} of {size} does not split over the {shards} data-parallel devices "
                 f"of the active keras.distribution; use {instead} that is a multiple of "
                 f"{shards}.")
-        return StepInputs(has_feature_state, feature_state, batch, size)
+        return _StepInputs(has_feature_state, feature_state, batch, size)
 
     def _step(self, local, reducer, state, data, feature_state=None, quiet=False):
         """One update, its gradient from `reducer`. `local` holds the build's snapshot

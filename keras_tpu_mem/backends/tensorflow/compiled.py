@@ -4,36 +4,7 @@ read through `experimental_get_compiler_ir` and XLA's `HloProto` buffer assignme
 The compile is one replica's step for the host: a model built under a
 `tf.distribute` strategy is compiled on a default-strategy copy.
 
-Contract (same in `backends/jax/compiled.py`; `keras_tpu_mem.planning` reads it):
-
-* `UNIT`: what one compile's bytes are of (`"replica"`); `TABLE_SCOPE`: how a
-  `CompiledMemory` table names its batch (`"per-replica"`).
-* `REMATERIALIZE_LEVER`: whether `plan(..., search=True)` tries `Rematerialize()`;
-  `SHARDING_LEVER`: whether it tries the state split over the data-parallel devices.
-* `PULLED_STEP`: why a feature that pulls micro-batches from the dataset has
-  no step to compile, and what to plan instead.
-* `make_spec(shape, dtype_name)`: a static spec of one tensor; `SPEC_NAME`: its
-  class as a user writes it (error messages name only the running backend's).
-* `is_out_of_memory(error)`: whether `error` is a step's RESOURCE_EXHAUSTED.
-* `replicas(model)`: replicas the global batch of `model`'s fit splits over.
-* `capacity_device()`: the device whose capacity an OOM is planned against
-  (None: the runtime does not say).
-* `ESTIMATES`: whether `plan` without callbacks extrapolates from compiles at
-  small batches (True) or compiles the step at its batch (False).
-* `check_context(what)`: raises where a compile here and now is not possible.
-* `compile_shards()`: data-parallel shards one compile's batch spans.
-* `distributed_strategy(model)` / `host_copy(model)`: the strategy whose
-  variables a host compile cannot take (None: none), and a copy without it.
-* `device_shape(shape, variable=None)`: one device's shard of a variable (or
-  of the batch, without `variable`).
-* `cache_scope()`: what, besides the model's state, a compile depends on.
-* `compile_scope()`: a callable giving a context in which a later compile of the
-  same step (`CompiledMemory.by_layer()`) sees what this one saw.
-* `compile_step(model, xs, ys, features, compile_context, hlo_text, description,
-  dump=False)`: compiles the step (`compile_context(model, features)` installs the
-  features) and returns plain numbers: `argument`, `temp`, `live_out`,
-  `alias`, `constant` bytes, `module_name`, `platform`, `devices`, `hlo_text`,
-  and with `dump` what `compiled_layers.layer_rows` reads (`dump`; else None).
+Contract: `keras_tpu_mem.backends.contracts.Compiled`; here `unit()` is `"replica"`.
 """
 
 from __future__ import annotations
@@ -46,26 +17,44 @@ import tensorflow as tf
 
 from keras_tpu_mem._compat import keras as keras_compat
 
-UNIT = "replica"
-TABLE_SCOPE = "per-replica"
-# Only activation functions can be recomputed on TensorFlow (whole layers
-# crash in fit, keras-team/keras#21207), which XLA mostly fuses already: not a
-# lever worth a compile per candidate.
-REMATERIALIZE_LEVER = False
-# State split over the data-parallel devices is a keras.distribution (JAX) lever.
-SHARDING_LEVER = False
 
-# `plan` without callbacks: compiles at small per-replica batches, extrapolated
-# (each TensorFlow compile of a large batch takes seconds to minutes).
-ESTIMATES = True
-PULLED_STEP = ("compiles a different step per window position; plan "
-               "GradientAccumulation(steps) (dataset_yields='global_batches') at the "
-               "per-replica batch of one update instead: its memory is the same "
-               "micro-batch loop's.")
+def unit() -> str:
+    """`"replica"`: one compile is one replica's step."""
+    return "replica"
 
 
-SPEC_NAME = "tf.TensorSpec"
+def table_scope() -> str:
+    return "per-replica"
 
+
+def rematerialize_lever() -> bool:
+    """No: only activation functions can be recomputed on TensorFlow (whole layers
+    crash in fit, keras-team/keras#21207), which XLA mostly fuses already: not a lever
+    worth a compile per candidate."""
+    return False
+
+
+def sharding_lever() -> bool:
+    """No: state split over the data-parallel devices is a keras.distribution (JAX)
+    lever."""
+    return False
+
+
+def estimates() -> bool:
+    """Yes: `plan` without callbacks compiles at small per-replica batches and
+    extrapolates (each TensorFlow compile of a large batch takes seconds to minutes)."""
+    return True
+
+
+def pulled_step() -> str:
+    return ("compiles a different step per window position; plan "
+            "GradientAccumulation(steps) (dataset_yields='global_batches') at the "
+            "per-replica batch of one update instead: its memory is the same "
+            "micro-batch loop's.")
+
+
+def spec_name() -> str:
+    return "tf.TensorSpec"
 
 
 def compiles_deferred() -> bool:
@@ -217,14 +206,25 @@ def compile_scope():
 
 
 def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
-                 description: str, dump: bool = False) -> dict:
+                 description: str, dump: bool = False, keras_step: bool | None = None) -> dict:
     """Compiles one train step with XLA and reads its buffer assignment.
 
     Without features this is Keras' own `train_step`. With features it is the
     engine's per-replica step (`backends.tensorflow.trainer.Step._replica_step`) with those
     features installed, exactly what `fit` would run on each replica, traced
-    with `jit_compile=True` as a TPU compiles it.
+    with `jit_compile=True` as a TPU compiles it. XLA:CPU never refuses a step as too
+    large here (no `CompileRefused`).
+
+    Raises:
+        ValueError: `keras_step=False`: the engine's step without features is the one
+            for state split over the batch axis, which only JAX lays out (None and True
+            are Keras' own step, what `fit` runs here without features).
     """
+    if keras_step is False and not features:
+        raise ValueError(
+            f"{description}: the engine's step without features (keras_step=False) "
+            "compiles state split over the batch axis, which needs the JAX backend "
+            "(keras.distribution); on TensorFlow fit runs Keras' own step.")
     # experimental_get_compiler_ir takes flat TensorSpecs only: pass the
     # leaves and rebuild (x, y) inside.
     structure = (xs, ys)

@@ -20,7 +20,7 @@ total exceeds it by the packing of the temporaries (`slack_bytes`). A row's
 `saved_activations` are its forward temporaries that an instruction of the backward
 pass (`gradient_tape/...`) reads.
 
-Contract: see `backends/jax/compiled_layers.py`.
+Contract: `keras_tpu_mem.backends.contracts.CompiledLayers`.
 """
 
 from __future__ import annotations

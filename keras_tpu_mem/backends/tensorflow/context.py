@@ -18,7 +18,6 @@ import keras
 import tensorflow as tf
 
 from keras_tpu_mem._compat import tensorflow as tf_compat
-from keras_tpu_mem.backends.step import MICRO_BATCH_SPLIT
 
 
 def update_count_dtype() -> str:
@@ -149,21 +148,6 @@ def check_layer_remat() -> None:
 def splits_batches_at_run_time() -> bool:
     """Whether a batch's split into micro-batches can fail while the step runs: a
     batch whose size only the run knows (arrays, whose last batch is smaller).
-    Only then does this module have `explain_split_error`."""
+    Only then does the backend have the `batch_split` concern, which explains such
+    an error."""
     return True
-
-
-def explain_split_error(error, message):
-    """Where `error` is the failed split of a batch into micro-batches, an error of
-    the same kind saying `message()` first; else None.
-
-    A batch whose size only the run knows (arrays, whose last batch is smaller)
-    fails the trainer's check (an assertion named `MICRO_BATCH_SPLIT`), or under
-    XLA, which drops that assertion, the split itself (the reshape of that name).
-    """
-    if not isinstance(error, tf.errors.InvalidArgumentError):
-        return None
-    if MICRO_BATCH_SPLIT not in str(error):
-        return None
-    return tf.errors.InvalidArgumentError(
-        error.node_def, error.op, f"{message()}\n\nXLA's error: {error.message}")

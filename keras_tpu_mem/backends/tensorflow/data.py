@@ -2,16 +2,9 @@
 
 A `tf.data.Dataset` exists only where TensorFlow is loaded; the neutral
 `keras_tpu_mem.tf_data` recognises one without importing TensorFlow and hands
-the functions here to whoever reads or writes one (the distillation cache):
+the functions here to whoever reads or writes one (the distillation cache).
 
-* `is_dataset(value)`, `is_infinite(dataset)`, `first_element(dataset)`;
-* `to_numpy(element)`: a nest of numpy arrays (TypeError for sparse or ragged
-  tensors);
-* `examples_dataset(examples)`: a dataset of the nest's first-axis slices;
-* `save_examples(examples, path)`, `load_examples(paths, num_examples)` (the
-  saved parts, in order, as one dataset), `directory_in_use(path)` (exists and
-  is not empty);
-* `drop_logits(dataset)`: `(data, logits)` elements -> `data`.
+TensorFlow only; contract: `keras_tpu_mem.backends.contracts.Data`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
 """Devices and their memory on TensorFlow: device names and `tf.config`'s allocator.
 
-Contract (same in `backends/jax/devices.py`); a *device* is what this backend's
-readers take, here a TensorFlow device name (`"TPU:3"` or
-`"/job:localhost/replica:0/task:0/device:CPU:0"`):
-
-* `replica_devices(where=None)`: the devices a training step runs on in this
-  process; `where` is a `tf.distribute.Strategy` (None: the current one).
-* `model_devices(model)`: the same for `model`'s steps.
-* `device_name(device)`: `"TPU:3"`, `"GPU:0"`, `"CPU:5"`.
-* `platform(device)`: `"TPU"`, `"GPU"` or `"CPU"`.
-* `device_kinds(device)`: what names the device's hardware (`"TPU v4"`, a GPU's
-  name), most trusted first; may be empty.
-* `reader_queries(device)`: the spellings `memory_stats` may take for it, in
-  the order to try them; `host_queries(devices)`: the same for the one entry
-  that stands for all host devices.
-* `memory_stats(device)`: `{"bytes_in_use", "peak_bytes_in_use"[, "bytes_limit"]}`,
-  or `None` where the allocator keeps no statistics.
-* `reset_peak(device)`: resets the peak counter; False where it cannot.
-* `ALLOCATOR_READER`: what reads an allocator, in words for notices;
-  `PEAK_RESETTABLE`: False where no allocator peak can be reset, None where
-  `reset_peak` says per device; `HOST_ALLOCATOR_SHARED`: whether all host
-  devices share one allocator; `HOST_RSS_WHY`, `HOST_RSS_FIX`, `UNREADABLE_WHY`:
-  the words of the monitors' notices.
+Contract: `keras_tpu_mem.backends.contracts.Devices`; a *device* here is a TensorFlow
+device name (`"TPU:3"` or `"/job:localhost/replica:0/task:0/device:CPU:0"`).
 """
 
 from __future__ import annotations
@@ -30,15 +10,34 @@ import os
 
 import tensorflow as tf
 
-ALLOCATOR_READER = "tf.config.experimental.get_memory_info"
-# Whether a device's peak resets is known once tried (TPU, GPU and CPU with oneDNN can).
-PEAK_RESETTABLE = None
-# Every logical CPU device and the input pipeline share the one host allocator.
-HOST_ALLOCATOR_SHARED = True
-HOST_RSS_WHY = ("The CPU allocator keeps no statistics here (oneDNN is off: TensorFlow's "
-                "default on CPUs without AVX-512, or TF_ENABLE_ONEDNN_OPTS=0)")
-HOST_RSS_FIX = "TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow starts gives allocator figures."
-UNREADABLE_WHY = "TensorFlow keeps no allocator statistics there"
+
+def allocator_reader() -> str:
+    return "tf.config.experimental.get_memory_info"
+
+
+def peak_resettable() -> bool | None:
+    """None: whether a device's peak resets is known once tried (TPU, GPU and CPU with
+    oneDNN can)."""
+    return None
+
+
+def host_allocator_shared() -> bool:
+    """True: every logical CPU device and the input pipeline share the one host
+    allocator."""
+    return True
+
+
+def host_rss_why() -> str:
+    return ("The CPU allocator keeps no statistics here (oneDNN is off: TensorFlow's "
+            "default on CPUs without AVX-512, or TF_ENABLE_ONEDNN_OPTS=0)")
+
+
+def host_rss_fix() -> str:
+    return "TF_ENABLE_ONEDNN_OPTS=1 before TensorFlow starts gives allocator figures."
+
+
+def unreadable_why() -> str:
+    return "TensorFlow keeps no allocator statistics there"
 
 
 def replica_devices(where=None) -> list[str]:

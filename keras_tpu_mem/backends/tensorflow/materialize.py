@@ -7,8 +7,7 @@ value becomes the `tf.Variable` (mirrored, or on the strategy's devices) a
 normal build in that scope makes. Keras' own deferred initialisation makes it
 (in `tf.init_scope()`, so it is not captured by a traced function).
 
-Contract (`backends/jax/materialize.py` offers the same): `scope(model)`,
-`initialize(variable, initializer)`, `place(initializer, shape, dtype, sharding)`.
+Contract: `keras_tpu_mem.backends.contracts.Materialize`.
 """
 
 from __future__ import annotations

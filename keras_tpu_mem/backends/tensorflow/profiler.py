@@ -1,27 +1,7 @@
 """Profiling on TensorFlow: `tf.profiler.experimental`, its server, its errors.
 
-Contract (same functions in `backends/jax/profiler.py`), used by
-`keras_tpu_mem.profiling`:
-
-* `start(log_dir) -> bool`: starts a capture into
-  `log_dir/plugins/profile/<run>/`; False where another capture runs.
-* `stop() -> bool`: stops it and writes the `*.xplane.pb`; False where someone
-  else stopped it already.
-* `step(name, step_num)`: a context manager marking one execution as a step
-  for XProf's overview page.
-* `start_server(port)`: the profiler server (raises where it cannot start).
-* `capture_hint(port, log_dir) -> str`: how to capture from that server
-  outside TensorBoard.
-* `counter_after_execution(read) -> int | None`: the optimizer's step counter
-  after an execution, `read()` where reading it costs nothing, else None.
-* `replica_devices(model, devices) -> list`: the devices whose memory
-  `batch_size_sweep` watches, read with the `devices` module passed in.
-* `check_sweep_input(kind, data)`: raises `TypeError` for a sweep input this
-  backend does not train on (`kind` as `monitoring.input_rate` names it).
-* `is_out_of_memory(error) -> bool`: whether `error` is the framework's
-  out-of-memory error.
-* `xspace_class()`: the protobuf class that parses a capture's
-  `*.xplane.pb` (`XSpace`), or None where none can be had.
+Contract: `keras_tpu_mem.backends.contracts.Profiler` (used by
+`keras_tpu_mem.profiling`).
 """
 
 from __future__ import annotations

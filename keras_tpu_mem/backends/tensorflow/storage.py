@@ -1,14 +1,17 @@
 """Files on TensorFlow: `tf.io.gfile`, which reads and writes local paths and
 TensorFlow's file systems (`gs://` natively).
 
-Contract (same in `backends/jax/storage.py`):
-- `gfile`: a module with `GFile(path, mode)`, `exists`, `makedirs`,
-  `rename(src, dst, overwrite=)`.
-- `remote_path_problem(path) -> str | None`: why a remote path (`scheme://...`)
-  cannot be written here, or None.
+Contract: `keras_tpu_mem.backends.contracts.Storage`.
 """
 
-from tensorflow.io import gfile
+from __future__ import annotations
+
+from tensorflow.io import gfile as _gfile
+
+
+def gfile():
+    """`tf.io.gfile`."""
+    return _gfile
 
 
 def remote_path_problem(path: str) -> str | None:

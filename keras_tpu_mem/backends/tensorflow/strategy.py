@@ -7,26 +7,9 @@ give `MirroredStrategy`; else `logical_cpus=N` gives `MirroredStrategy` over N
 logical CPUs (the CPU stand-in for a multi-replica TPU); else the default
 strategy.
 
-Contract (same in `backends/jax/strategy.py`):
-
-* `place(tpu, logical_cpus, **options)` builds what the backend distributes
-  with and returns a `Placement`; `logical_cpus` is already checked (None or a
-  positive int). Options of the other backend, or of neither, raise
-  `TypeError`.
-* `Placement`: `strategy` (what `scope()` enters), `distribution` (JAX's
-  `keras.distribution`; `AttributeError` on TensorFlow), `kind` (`"TPU"`,
-  `"GPU"`, `"CPU"`), `reason` (why, in words), `multi_host`, `num_replicas`,
-  `scope()`, `device_name()` (the device's own name, e.g. `"TPU v3"`),
-  `accelerator_type()` (a TPU VM's `TPU_ACCELERATOR_TYPE`, or None),
-  `bytes_limit()` (a runtime's own capacity figure, or None),
-  `replica_devices()` (`(short name, what `keras_tpu_mem.devices` reads)` per
-  replica of this process), `batches(dataset, global_batch_size,
-  drop_remainder)`, `announcement(device_name)` (the log line without its
-  reason) and `repr_fields` (what `repr` adds before the kind).
-
-TensorFlow's own (no JAX counterpart; `place` and the tests' strategy matrix
-use it): `mirrored_logical_cpus(count)`, the process-wide `MirroredStrategy`
-over `count` logical CPUs.
+Contract: `keras_tpu_mem.backends.contracts.Strategy`. Resolving a TPU's address,
+configuring logical CPUs and the process-wide strategies are TensorFlow's own, in
+the `cluster` concern (`contracts.Cluster`).
 """
 
 from __future__ import annotations
@@ -38,121 +21,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_tpu_mem._utils import check_positive_int, logger
-
-# A TPU VM exposes its chips as /dev/accel* (v2-v4) or /dev/vfio/* (v5e, v6e);
-# TPU VM images also export TPU_ACCELERATOR_TYPE.
-_LOCAL_TPU_PATHS = ("/dev/accel0", "/dev/vfio/0")
+from keras_tpu_mem._utils import logger
+from keras_tpu_mem.backends.tensorflow.cluster import (
+    mirrored_logical_cpus,
+    resolve_tpu_address,
+    shared_strategy,
+)
 
 # The keyword arguments of the JAX backend's wrapper (keras.distribution).
 _JAX_ONLY_ARGUMENTS = frozenset(
     {"layout_map", "mesh_shape", "multi_host", "coordinator_address", "num_processes",
      "process_id"})
-
-
-def resolve_tpu_address(
-    tpu: str | None,
-    environ: Mapping[str, str] | None = None,
-    local_tpu_present: bool | None = None,
-) -> tuple[str | None, str]:
-    """Decides which TPU to connect to, without touching TensorFlow.
-
-    Order: the explicit `tpu` argument, then `TPU_NAME`, then `COLAB_TPU_ADDR`
-    (Colab's legacy TPU runtime, a grpc host:port; prefixed with `grpc://`),
-    then a local TPU VM (`"local"`).
-
-    Returns:
-        `(address, reason)`: the address for `TPUClusterResolver` (or `None`
-        when no TPU is indicated) and a sentence saying why.
-
-    Raises:
-        TypeError: if `tpu` is not a str or None.
-        ValueError: if `tpu` is an empty string.
-
-    Example:
-
-    ```python
-    from keras_tpu_mem.backends.tensorflow.strategy import resolve_tpu_address
-
-    resolve_tpu_address(None, {"COLAB_TPU_ADDR": "10.0.0.2:8470"}, False)
-    # ('grpc://10.0.0.2:8470', "COLAB_TPU_ADDR='10.0.0.2:8470' is set (Colab)")
-    ```
-    """
-    if tpu is not None and not isinstance(tpu, str):
-        raise TypeError(
-            "`tpu` must be None, 'local', a TPU name or a 'grpc://host:port' address; "
-            f"got {type(tpu).__name__}."
-        )
-    if tpu is not None:
-        if not tpu.strip():
-            raise ValueError(
-                "`tpu` must be None, 'local', a TPU name or a 'grpc://host:port' "
-                "address; got an empty string."
-            )
-        return tpu.strip(), f"tpu={tpu.strip()!r} was passed"
-    environ = os.environ if environ is None else environ
-    if environ.get("TPU_NAME"):
-        return environ["TPU_NAME"], f"TPU_NAME={environ['TPU_NAME']!r} is set"
-    if environ.get("COLAB_TPU_ADDR"):
-        address = environ["COLAB_TPU_ADDR"]
-        if not address.startswith("grpc://"):
-            address = "grpc://" + address
-        return address, f"COLAB_TPU_ADDR={environ['COLAB_TPU_ADDR']!r} is set (Colab)"
-    if local_tpu_present is None:
-        local_tpu_present = bool(environ.get("TPU_ACCELERATOR_TYPE")) or any(
-            os.path.exists(p) for p in _LOCAL_TPU_PATHS
-        )
-    if local_tpu_present:
-        return "local", "this machine is a TPU VM"
-    return None, "no TPU named (tpu=None, no TPU_NAME or COLAB_TPU_ADDR, not a TPU VM)"
-
-
-# One strategy per accelerator set and process. Re-running a notebook cell must
-# not build a second TPUStrategy (initialize_tpu_system would wipe the TPU's
-# memory under the first one's variables), and on TensorFlow 2.19 two
-# MirroredStrategy objects over the same devices can mix up their collective
-# all-reduce keys ("Shape mismatch in the collective instance").
-_STRATEGIES: dict[tuple, object] = {}
-
-
-def _shared_strategy(key: tuple, factory):
-    if key not in _STRATEGIES:
-        _STRATEGIES[key] = factory()
-    return _STRATEGIES[key]
-
-
-def mirrored_logical_cpus(count: int):
-    """The process-wide MirroredStrategy over `count` logical CPUs (configured if needed)."""
-    configure_logical_cpus(count)
-    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
-    return _shared_strategy(("CPU", tuple(cpus)), lambda: tf.distribute.MirroredStrategy(cpus))
-
-
-def configure_logical_cpus(count: int) -> None:
-    """Splits the host CPU into `count` logical devices for MirroredStrategy.
-
-    Must run before TensorFlow initialises its devices (before the first op or
-    device query). Calling it again with the same count is a no-op.
-
-    Raises:
-        RuntimeError: if TensorFlow is already initialised with another layout.
-    """
-    check_positive_int(count, "logical_cpus")
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
-    try:
-        tf.config.set_logical_device_configuration(cpu, wanted)
-    except RuntimeError as err:
-        existing = tf.config.list_logical_devices("CPU")
-        if len(existing) == count:
-            return
-        raise RuntimeError(
-            f"logical_cpus={count} needs TensorFlow uninitialised, but it already "
-            f"runs with {len(existing)} logical CPU(s). Create "
-            f"TPUStrategyWrapper(logical_cpus={count}) before any TensorFlow op, "
-            "model or dataset (first thing in the process, or restart the "
-            "runtime in Colab)."
-        ) from err
 
 
 def _check_options(options: Mapping) -> None:
@@ -195,7 +74,7 @@ def place(tpu: str | None, logical_cpus: int | None, **options) -> Placement:
             details = tf.config.experimental.get_device_details(gpus[0])
         except Exception:  # details are cosmetic; never fail on them
             details = {}
-        strategy = _shared_strategy(("GPU",), tf.distribute.MirroredStrategy)
+        strategy = shared_strategy(("GPU",), tf.distribute.MirroredStrategy)
         return Placement(strategy, "GPU", f"{reason}; found {len(gpus)} GPU(s)",
                          gpu_name=details.get("device_name"))
     if logical_cpus is not None:
@@ -213,7 +92,7 @@ def _connect_tpu(address: str, reason: str):
         return tf.distribute.TPUStrategy(resolver)
 
     try:
-        return _shared_strategy(("TPU", address), connect)
+        return shared_strategy(("TPU", address), connect)
     except Exception as err:  # TF raises many types here; re-raise with context.
         raise RuntimeError(
             f"A TPU was requested ({reason}) but connecting to {address!r} failed: "
