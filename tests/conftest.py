@@ -29,6 +29,11 @@ os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"
 BACKEND = os.environ["KERAS_BACKEND"]
 BOTH_BACKENDS: tuple[str, ...] = (
     "test_accumulation.py",
+    "test_precision_callback.py",
+    "test_precision_convert.py",
+    "test_precision_notice.py",
+    "test_precision_planning_quiet.py",
+    "test_precision_report.py",
 )
 if BACKEND == "jax":
     # Before JAX starts: 8 host CPU devices stand in for a TPU slice, and XLA's
@@ -117,8 +122,9 @@ def pytest_collection_modifyitems(config, items):
 #   default  - default strategy, jit_compile=False
 #   jit      - default strategy, jit_compile=True (XLA, as on TPU)
 #   mirrored - MirroredStrategy over 2 logical CPUs (replica semantics)
-# On JAX the same names: default runs the step unjitted (jit_compile=False),
-# jit under jax.jit, mirrored is keras.distribution.DataParallel over 8 devices.
+# On JAX the same names, every step under jax.jit (TensorFlow's jit_compile=False
+# still compiles a graph; JAX's unjitted step is op by op, run_eagerly's path):
+# mirrored is keras.distribution.DataParallel over 8 devices.
 STRATEGY_CASES = ("default", "jit", "mirrored")
 
 
@@ -131,7 +137,7 @@ class StrategyCase:
             self.strategy = MIRRORED
         else:
             self.strategy = default_strategy()
-        self.jit_compile = name == "jit"
+        self.jit_compile = name == "jit" or BACKEND == "jax"
 
     @property
     def num_replicas(self) -> int:

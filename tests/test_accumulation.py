@@ -41,7 +41,7 @@ def _fit(strategy, optimizer, callbacks=(), jit=False, spe=1, sample_weight=None
     with strategy.scope():
         model = mlp()
         model.compile(optimizer=_optimizer(optimizer), loss=sparse_ce(), metrics=["accuracy"],
-                      jit_compile=jit, steps_per_execution=spe)
+                      jit_compile=jit or BACKEND == "jax", steps_per_execution=spe)
     history = model.fit(batched(x, y, GLOBAL_BATCH, sample_weight), epochs=epochs, shuffle=False, verbose=0,
                         callbacks=list(callbacks))
     return model, history
@@ -280,7 +280,7 @@ def _fit_micro(strategy, *, jit=False, spe=1, steps=4, epochs=1, callbacks=(), x
     with strategy.scope():
         model = mlp()
         model.compile(optimizer=_optimizer(optimizer), loss=sparse_ce(), metrics=["accuracy"],
-                      jit_compile=jit, steps_per_execution=spe)
+                      jit_compile=jit or BACKEND == "jax", steps_per_execution=spe)
     history = model.fit(batched(x, y, MICRO), epochs=epochs, shuffle=False, verbose=0, callbacks=[
         GradientAccumulation(steps, dataset_yields="micro_batches"), *callbacks])
     return model, history

@@ -1,12 +1,14 @@
 """MixedBFloat16: bfloat16 compute, float32 variables, for the fit it is attached to
-(precision.callback)."""
+(precision.callback). One body per behaviour on both backends (conftest's
+BOTH_BACKENDS): "mirrored" is MirroredStrategy on TensorFlow, DataParallel over 8
+devices on JAX."""
 
 from __future__ import annotations
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from conftest import default_strategy
 from helpers import RaiseAtEpoch
 from precision_models import (
     BATCH,
@@ -37,7 +39,7 @@ def strategy_for(name):
         from conftest import MIRRORED  # one MirroredStrategy per process
 
         return MIRRORED
-    return tf.distribute.get_strategy()
+    return default_strategy()
 
 
 class ClearProbes(keras.callbacks.Callback):
@@ -112,13 +114,14 @@ def test_floor_digits_accuracy_and_dtypes(name, digits):
     print(f"{name}: float32 {float32_accuracy:.4f}, bfloat16 {bf16_accuracy:.4f}")
     assert float32_accuracy > 0.9
     assert abs(bf16_accuracy - float32_accuracy) <= 0.02, (float32_accuracy, bf16_accuracy)
+    # (The step count is int64, int32 on JAX without x64.)
     # During fit: hidden Dense layers computed in bfloat16 (what the traced step
     # really received), the output layer in float32, every variable float32.
     assert probe.compute["hidden_1"] == probe.compute["hidden_2"] == "bfloat16"
     assert probe.compute["logits"] == "float32"
     probes = [layer for layer in model.layers if isinstance(layer, DtypeProbe)]
     assert all(p.seen and set(p.seen) == {"bfloat16"} for p in probes), [p.seen for p in probes]
-    assert probe.variables == {"float32"} and probe.optimizer_variables <= {"float32", "int64"}
+    assert probe.variables == {"float32"} and probe.optimizer_variables <= {"float32", "int64", "int32"}
     # After fit: the model as built, float32 output, float32 variables.
     assert {layer.compute_dtype for layer in model.layers} == {"float32"}
     assert {v.dtype for v in model.variables} == {"float32"}
@@ -142,7 +145,7 @@ def test_resume_after_interruption(digits, tmp_path):
     with pytest.raises(RuntimeError, match="interrupted at epoch 3"):
         run(tmp_path / "b", interrupt=3)
     resumed = run(tmp_path / "b", seed=5)  # a new process: other initial weights
-    assert int(resumed.optimizer.iterations.numpy()) == 8 * 11
+    assert int(resumed.optimizer.iterations) == 8 * 11
     for got, want in zip(resumed.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     float32_model = compiled(digits_mlp(), spe=2)
@@ -256,8 +259,10 @@ def test_batch_normalization_keeps_float32_statistics(digits):
     # the moving mean moves as Keras' float32 update says.
     dense = model.get_layer("d")
     kernel, bias = dense.get_weights()
-    h = tf.cast(tf.cast(x[:BATCH], "bfloat16") @ tf.cast(kernel, "bfloat16")
-                + tf.cast(bias, "bfloat16"), "float64").numpy()
+    ops = keras.ops
+    h = ops.convert_to_numpy(ops.cast(
+        ops.cast(x[:BATCH], "bfloat16") @ ops.cast(kernel, "bfloat16")
+        + ops.cast(bias, "bfloat16"), "float32")).astype("float64")
     expected = mean * bn.momentum + h.mean(axis=0) * (1 - bn.momentum)
     callback = MixedBFloat16()
     callback.install(model)
