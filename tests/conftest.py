@@ -29,6 +29,7 @@ os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"
 BACKEND = os.environ["KERAS_BACKEND"]
 BOTH_BACKENDS: tuple[str, ...] = (
     "test_accumulation.py",
+    "test_distillation_callback.py",
     "test_precision_callback.py",
     "test_precision_convert.py",
     "test_precision_notice.py",
