@@ -30,6 +30,10 @@ BACKEND = os.environ["KERAS_BACKEND"]
 BOTH_BACKENDS: tuple[str, ...] = (
     "test_accumulation.py",
     "test_distillation_callback.py",
+    "test_pruning_callback.py",
+    "test_pruning_export.py",
+    "test_pruning_report.py",
+    "test_pruning_selection.py",
     "test_precision_callback.py",
     "test_precision_convert.py",
     "test_precision_notice.py",

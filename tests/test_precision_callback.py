@@ -354,6 +354,9 @@ def test_mixed_float16_layers_switch_and_float64_layers_stay():
 
 
 # ------------------------------------------------------- float16 refusal
+@pytest.mark.tensorflow_only("MirroredStrategy's per-replica gradients: Keras' "
+                             "LossScaleOptimizer checks replica 0's only; JAX's step "
+                             "checks the global gradients")
 def test_float16_policy_under_two_replicas_is_refused(digits):
     (x, y), _ = digits
     with strategy_for("mirrored").scope():
@@ -366,6 +369,9 @@ def test_float16_policy_under_two_replicas_is_refused(digits):
                   callbacks=[GradientAccumulation(steps=2)])
 
 
+@pytest.mark.tensorflow_only("MirroredStrategy's per-replica gradients: Keras' "
+                             "LossScaleOptimizer checks replica 0's only; JAX's step "
+                             "checks the global gradients")
 def test_loss_scale_optimizer_with_our_callback_under_two_replicas_is_refused(digits):
     (x, y), _ = digits
     with strategy_for("mirrored").scope():
