@@ -32,6 +32,7 @@ BOTH_BACKENDS: tuple[str, ...] = (
     "test_distillation_callback.py",
     "test_pruning_callback.py",
     "test_pruning_export.py",
+    "test_pruning_masks.py",
     "test_pruning_report.py",
     "test_pruning_selection.py",
     "test_precision_callback.py",
@@ -130,7 +131,8 @@ def pytest_collection_modifyitems(config, items):
 # On JAX the same names, every step under jax.jit (TensorFlow's jit_compile=False
 # still compiles a graph; JAX's unjitted step is op by op, run_eagerly's path):
 # mirrored is keras.distribution.DataParallel over 8 devices.
-STRATEGY_CASES = ("default", "jit", "mirrored")
+STRATEGY_CASES = ("default", "jit", "mirrored") if BACKEND == "tensorflow" else (
+    "default", "mirrored")  # JAX: "jit" would repeat "default" (both jitted)
 
 
 class StrategyCase:
