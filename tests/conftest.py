@@ -109,9 +109,19 @@ def pytest_configure(config):
         "deselected on JAX")
 
 
+def _repeats_default_on_jax(item) -> bool:
+    """A matrix cell named "jit" (the `strategy_case` fixture's, or a `case`,
+    `case_name` or `name` parameter): on JAX it is the "default" cell again, every
+    step being jitted there."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(params.get(key) == "jit"
+               for key in ("strategy_case", "case", "case_name", "name"))
+
+
 def pytest_collection_modifyitems(config, items):
     """On JAX, tests marked `tensorflow_only` (in a BOTH_BACKENDS module) are not
-    collected: they are TensorFlow's, and say why in the marker."""
+    collected: they are TensorFlow's, and say why in the marker; nor are the "jit"
+    cells of the matrix, which repeat the "default" ones there."""
     if BACKEND != "jax":
         return
     kept, dropped = [], []
@@ -119,7 +129,8 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("tensorflow_only")
         if marker is not None and not marker.args:
             raise pytest.UsageError(f"{item.nodeid}: tensorflow_only needs a reason")
-        (dropped if marker is not None else kept).append(item)
+        drop = marker is not None or _repeats_default_on_jax(item)
+        (dropped if drop else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
@@ -131,8 +142,7 @@ def pytest_collection_modifyitems(config, items):
 # On JAX the same names, every step under jax.jit (TensorFlow's jit_compile=False
 # still compiles a graph; JAX's unjitted step is op by op, run_eagerly's path):
 # mirrored is keras.distribution.DataParallel over 8 devices.
-STRATEGY_CASES = ("default", "jit", "mirrored") if BACKEND == "tensorflow" else (
-    "default", "mirrored")  # JAX: "jit" would repeat "default" (both jitted)
+STRATEGY_CASES = ("default", "jit", "mirrored")
 
 
 class StrategyCase:
