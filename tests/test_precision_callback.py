@@ -145,7 +145,7 @@ def test_resume_after_interruption(digits, tmp_path):
     with pytest.raises(RuntimeError, match="interrupted at epoch 3"):
         run(tmp_path / "b", interrupt=3)
     resumed = run(tmp_path / "b", seed=5)  # a new process: other initial weights
-    assert int(resumed.optimizer.iterations) == 8 * 11
+    assert int(resumed.optimizer.iterations.numpy()) == 8 * 11
     for got, want in zip(resumed.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     float32_model = compiled(digits_mlp(), spe=2)

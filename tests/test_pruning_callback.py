@@ -176,7 +176,7 @@ def test_floor_polynomial_decay_on_digits(strategy_case, digits, dense_digits_ac
             assert abs(count - _expected_zeros(size, sparsity)) <= 1, (epoch, kernel.path)
     for kernel in kernels:
         assert np.mean(_replicas(kernel)[0] == 0) == pytest.approx(0.80, abs=0.01)
-    assert int(model.optimizer.iterations) == FLOOR_EPOCHS * steps_per_epoch
+    assert int(model.optimizer.iterations.numpy()) == FLOOR_EPOCHS * steps_per_epoch
     accuracy = _numpy_accuracy(model, xv, yv)
     assert dense_digits_accuracy > 0.95
     assert accuracy >= dense_digits_accuracy - 0.02, (accuracy, dense_digits_accuracy)
@@ -219,7 +219,7 @@ def test_resume_after_interruption_equals_uninterrupted(case, tmp_path):
         _resume_fit(strategy, tmp_path / "b", interrupt=2)
     # A fresh process: a new model (other initial weights), new callbacks.
     resumed = _resume_fit(strategy, tmp_path / "b", seed=7)
-    assert int(resumed.optimizer.iterations) == 16
+    assert int(resumed.optimizer.iterations.numpy()) == 16
     for got, want in zip(resumed.get_weights(), reference.get_weights()):
         np.testing.assert_array_equal(got == 0, want == 0)
     assert max_abs_diff(resumed.get_weights(), reference.get_weights()) <= 1e-6
@@ -241,7 +241,7 @@ def test_second_fit_keeps_masks_and_frees_zeros_before_pruning_starts():
 
     # After pruning began, a later fit (same or new callback) keeps the masks, even
     # when its schedule no longer recomputes them.
-    assert int(model.optimizer.iterations) == 8
+    assert int(model.optimizer.iterations.numpy()) == 8
     once = ConstantSparsity(0.5, begin_step=10, end_step=10, frequency=1)
     model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[Pruning(once)])
     zeros = np.asarray(kernel.value) == 0
@@ -267,7 +267,7 @@ def test_recompiling_for_xla_keeps_the_masks_in_bool():
     model.compile(optimizer=model.optimizer, loss=sparse_ce(), jit_compile=True)
     model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[pruning])
     assert [w.mask.dtype for w in pruning._weights] == ["bool", "bool"]
-    assert int(model.optimizer.iterations) == 12
+    assert int(model.optimizer.iterations.numpy()) == 12
     for kernel, before in zip(_kernels(model), zeros):
         np.testing.assert_array_equal(np.asarray(kernel.value) == 0, before)
 
