@@ -42,7 +42,8 @@ def _fit(strategy, optimizer, callbacks=(), jit=False, spe=1, sample_weight=None
         model = mlp()
         model.compile(optimizer=_optimizer(optimizer), loss=sparse_ce(), metrics=["accuracy"],
                       jit_compile=jit or BACKEND == "jax", steps_per_execution=spe)
-    history = model.fit(batched(x, y, GLOBAL_BATCH, sample_weight), epochs=epochs, shuffle=False, verbose=0,
+    history = model.fit(batched(x, y, GLOBAL_BATCH, sample_weight), epochs=epochs,
+                        shuffle=False, verbose=0,
                         callbacks=list(callbacks))
     return model, history
 
@@ -113,7 +114,8 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path):
     def run(callbacks):
         model = mlp()
         model.compile(optimizer=_optimizer("adam"), loss=sparse_ce(), steps_per_execution=2)
-        model.fit(batched(x, y, GLOBAL_BATCH), epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+        model.fit(batched(x, y, GLOBAL_BATCH), epochs=4,
+                  shuffle=False, verbose=0, callbacks=callbacks)
         return model
 
     straight = run([GradientAccumulation(4)])
@@ -176,7 +178,8 @@ class TestBadInput:
         model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
                       loss=sparse_ce())
         with pytest.raises(ValueError, match="gradient_accumulation_steps=2.*compound"):
-            model.fit(batched(x, y, 32), shuffle=False, verbose=0, callbacks=[GradientAccumulation(2)])
+            model.fit(batched(x, y, 32),
+                      shuffle=False, verbose=0, callbacks=[GradientAccumulation(2)])
 
     @pytest.mark.tensorflow_only("TPUStrategyWrapper is a tf.distribute strategy; JAX: "
                                  "test_accumulation_jax's per-replica refusal")
@@ -226,7 +229,8 @@ class TestBadInput:
         model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, reduction="sum"))
         with pytest.raises(ValueError, match="mean-reduced losses.*sum"):
-            model.fit(batched(x, y, 32), shuffle=False, verbose=0, callbacks=[GradientAccumulation(2)])
+            model.fit(batched(x, y, 32),
+                      shuffle=False, verbose=0, callbacks=[GradientAccumulation(2)])
 
 
 def test_batchnorm_warns_once(ktm_records):

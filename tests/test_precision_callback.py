@@ -121,7 +121,8 @@ def test_floor_digits_accuracy_and_dtypes(name, digits):
     assert probe.compute["logits"] == "float32"
     probes = [layer for layer in model.layers if isinstance(layer, DtypeProbe)]
     assert all(p.seen and set(p.seen) == {"bfloat16"} for p in probes), [p.seen for p in probes]
-    assert probe.variables == {"float32"} and probe.optimizer_variables <= {"float32", "int64", "int32"}
+    assert probe.variables == {"float32"}
+    assert probe.optimizer_variables <= {"float32", "int64", "int32"}
     # After fit: the model as built, float32 output, float32 variables.
     assert {layer.compute_dtype for layer in model.layers} == {"float32"}
     assert {v.dtype for v in model.variables} == {"float32"}
