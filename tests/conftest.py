@@ -22,9 +22,25 @@ os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"
 # KERAS_BACKEND is read once, when Keras is imported, so one pytest process
 # tests one backend: `python tests/run_backends.py` runs one per backend. JAX
 # modules are named `*_jax.py`; every other module is TensorFlow's unless it is
-# listed in BOTH_BACKENDS.
+# listed in BOTH_BACKENDS: then its tests are one body per behaviour, collected on
+# both, and a test in it that needs TensorFlow (tf.distribute values, tfmot,
+# tf.data, tf.function graphs) carries `@pytest.mark.tensorflow_only("why")` and is
+# deselected on JAX (see `pytest_collection_modifyitems`).
 BACKEND = os.environ["KERAS_BACKEND"]
-BOTH_BACKENDS: tuple[str, ...] = ()
+BOTH_BACKENDS: tuple[str, ...] = (
+    "test_accumulation.py",
+    "test_distillation_callback.py",
+    "test_pruning_callback.py",
+    "test_pruning_export.py",
+    "test_pruning_masks.py",
+    "test_pruning_report.py",
+    "test_pruning_selection.py",
+    "test_precision_callback.py",
+    "test_precision_convert.py",
+    "test_precision_notice.py",
+    "test_precision_planning_quiet.py",
+    "test_precision_report.py",
+)
 if BACKEND == "jax":
     # Before JAX starts: 8 host CPU devices stand in for a TPU slice, and XLA's
     # CPU thread pool gets 16 threads. With more virtual devices than pool
@@ -54,10 +70,78 @@ if BACKEND == "tensorflow":
     # `_STRATEGIES`, says why).
     MIRRORED = mirrored_logical_cpus(2)
 
+    def default_strategy():
+        """The strategy a plain fit runs under (TensorFlow's default strategy)."""
+        return tf.distribute.get_strategy()
+else:
+    import contextlib  # noqa: E402
+
+    import jax  # noqa: E402
+    import keras  # noqa: E402
+
+    class _NoDistribution:
+        """JAX's plain fit: no `keras.distribution`, one replica."""
+
+        num_replicas_in_sync = 1
+
+        def scope(self):
+            return contextlib.nullcontext()
+
+    class _DataParallel(keras.distribution.DataParallel):
+        """JAX's counterpart of MirroredStrategy: DataParallel over the 8 host CPU
+        devices set above, with MirroredStrategy's replica count attribute."""
+
+        @property
+        def num_replicas_in_sync(self) -> int:
+            return len(jax.devices()[:8])
+
+    MIRRORED = _DataParallel(devices=jax.devices()[:8])
+
+    def default_strategy():
+        """The strategy a plain fit runs under (no distribution on JAX)."""
+        return _NoDistribution()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "tensorflow_only(why): the test needs TensorFlow itself (the reason "
+        "says what: tf.distribute values, tfmot, tf.data, tf.function graphs); "
+        "deselected on JAX")
+
+
+def _repeats_default_on_jax(item) -> bool:
+    """A matrix cell named "jit" (the `strategy_case` fixture's, or a `case`,
+    `case_name` or `name` parameter): on JAX it is the "default" cell again, every
+    step being jitted there."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(params.get(key) == "jit"
+               for key in ("strategy_case", "case", "case_name", "name"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """On JAX, tests marked `tensorflow_only` (in a BOTH_BACKENDS module) are not
+    collected: they are TensorFlow's, and say why in the marker; nor are the "jit"
+    cells of the matrix, which repeat the "default" ones there."""
+    if BACKEND != "jax":
+        return
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("tensorflow_only")
+        if marker is not None and not marker.args:
+            raise pytest.UsageError(f"{item.nodeid}: tensorflow_only needs a reason")
+        drop = marker is not None or _repeats_default_on_jax(item)
+        (dropped if drop else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
 # The matrix every feature passes on CPU (docs/testing.md):
 #   default  - default strategy, jit_compile=False
 #   jit      - default strategy, jit_compile=True (XLA, as on TPU)
 #   mirrored - MirroredStrategy over 2 logical CPUs (replica semantics)
+# On JAX the same names, every step under jax.jit (TensorFlow's jit_compile=False
+# still compiles a graph; JAX's unjitted step is op by op, run_eagerly's path):
+# mirrored is keras.distribution.DataParallel over 8 devices.
 STRATEGY_CASES = ("default", "jit", "mirrored")
 
 
@@ -69,8 +153,8 @@ class StrategyCase:
         if name == "mirrored":
             self.strategy = MIRRORED
         else:
-            self.strategy = tf.distribute.get_strategy()
-        self.jit_compile = name == "jit"
+            self.strategy = default_strategy()
+        self.jit_compile = name == "jit" or BACKEND == "jax"
 
     @property
     def num_replicas(self) -> int:

@@ -1,10 +1,13 @@
-"""Shared test helpers: tiny models and comparisons."""
+"""Shared test helpers: tiny models and comparisons, on either backend.
+
+`batched` gives a tf.data pipeline on TensorFlow and the same batches as a
+`keras.utils.PyDataset` on JAX (no TensorFlow imported there).
+"""
 
 from __future__ import annotations
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 
 def mlp(inputs=16, hidden=32, classes=5, seed=1):
@@ -28,8 +31,28 @@ def toy_data(n=160, inputs=16, classes=5, seed=0):
 
 
 def batched(x, y, batch, sample_weight=None):
+    """`(x, y[, sample_weight])` in batches of `batch`, the last partial one dropped."""
     parts = (x, y) if sample_weight is None else (x, y, sample_weight)
-    return tf.data.Dataset.from_tensor_slices(parts).batch(batch, drop_remainder=True)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensor_slices(parts).batch(batch, drop_remainder=True)
+    return _Batches(parts, batch)
+
+
+class _Batches(keras.utils.PyDataset):
+    """tf.data's `.batch(batch, drop_remainder=True)` of numpy arrays, in order."""
+
+    def __init__(self, parts, batch):
+        super().__init__()
+        self.parts, self.batch = parts, batch
+
+    def __len__(self):
+        return len(self.parts[0]) // self.batch
+
+    def __getitem__(self, index):
+        window = slice(index * self.batch, (index + 1) * self.batch)
+        return tuple(part[window] for part in self.parts)
 
 
 def max_abs_diff(weights_a, weights_b) -> float:

@@ -1,9 +1,14 @@
-"""GradientAccumulation against a plain full-batch fit (the independent reference)."""
+"""GradientAccumulation against a plain full-batch fit (the independent reference).
+
+One body per behaviour, on both backends (conftest's BOTH_BACKENDS); the tests
+marked `tensorflow_only` say why. `test_accumulation_jax.py` holds what is JAX's
+own (the traced micro-batch size, ModelParallel, the compiled step's collectives).
+"""
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from conftest import BACKEND, default_strategy
 from helpers import RaiseAtEpoch, batched, max_abs_diff, mlp, sparse_ce, toy_data
 
 from keras_tpu_mem import GradientAccumulation, TPUStrategyWrapper
@@ -11,6 +16,16 @@ from keras_tpu_mem.engine import Engine
 
 GLOBAL_BATCH = 32
 UPDATES = 5
+
+
+def _step_error():
+    """What a failing train step raises: TensorFlow's run-time op error; on JAX the
+    shapes are static, so the step fails while it is traced."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.errors.InvalidArgumentError
+    return Exception
 
 
 def _optimizer(name):
@@ -26,8 +41,9 @@ def _fit(strategy, optimizer, callbacks=(), jit=False, spe=1, sample_weight=None
     with strategy.scope():
         model = mlp()
         model.compile(optimizer=_optimizer(optimizer), loss=sparse_ce(), metrics=["accuracy"],
-                      jit_compile=jit, steps_per_execution=spe)
-    history = model.fit(batched(x, y, GLOBAL_BATCH, sample_weight), epochs=epochs, verbose=0,
+                      jit_compile=jit or BACKEND == "jax", steps_per_execution=spe)
+    history = model.fit(batched(x, y, GLOBAL_BATCH, sample_weight), epochs=epochs,
+                        shuffle=False, verbose=0,
                         callbacks=list(callbacks))
     return model, history
 
@@ -35,7 +51,7 @@ def _fit(strategy, optimizer, callbacks=(), jit=False, spe=1, sample_weight=None
 @pytest.fixture(scope="module")
 def references():
     """Plain Keras fit on the full batch of 32, default strategy."""
-    return {name: _fit(tf.distribute.get_strategy(), name) for name in ("adam", "sgd")}
+    return {name: _fit(default_strategy(), name) for name in ("adam", "sgd")}
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
@@ -54,25 +70,25 @@ def test_k4_equals_full_batch(references, optimizer, case, spe, request):
     np.testing.assert_allclose(history.history["accuracy"], ref_history.history["accuracy"])
     if optimizer == "adam":
         # The schedule decays once per *update*: 0.01 * 0.5**5, not 0.5**20.
-        lr = float(model.optimizer.learning_rate.numpy())
+        lr = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
         assert lr == pytest.approx(0.01 * 0.5**UPDATES, rel=1e-6)
 
 
 def test_micro_batch_size_equals_steps(references):
-    model, _ = _fit(tf.distribute.get_strategy(), "sgd",
+    model, _ = _fit(default_strategy(), "sgd",
                     [GradientAccumulation(micro_batch_size=8)])
     assert max_abs_diff(model.get_weights(), references["sgd"][0].get_weights()) <= 1e-6
 
 
 def test_sample_weight_weighted_as_full_batch(mirrored):
     weights = np.random.default_rng(3).uniform(0.0, 2.0, GLOBAL_BATCH * UPDATES).astype("float32")
-    ref, ref_history = _fit(tf.distribute.get_strategy(), "sgd", sample_weight=weights)
+    ref, ref_history = _fit(default_strategy(), "sgd", sample_weight=weights)
     model, history = _fit(mirrored.strategy, "sgd", [GradientAccumulation(4)],
                           sample_weight=weights)
     assert max_abs_diff(model.get_weights(), ref.get_weights()) <= 1e-6
     np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
     # And the weights matter: an unweighted run ends elsewhere.
-    unweighted, _ = _fit(tf.distribute.get_strategy(), "sgd")
+    unweighted, _ = _fit(default_strategy(), "sgd")
     assert max_abs_diff(unweighted.get_weights(), ref.get_weights()) > 1e-4
 
 
@@ -81,12 +97,12 @@ def test_remainder_execution_under_mirrored():
     from conftest import MIRRORED as strategy
     x, y = toy_data(9 * 16)
     results = []
-    for strat, spe, callbacks in ((tf.distribute.get_strategy(), 1, []),
+    for strat, spe, callbacks in ((default_strategy(), 1, []),
                                   (strategy, 4, [GradientAccumulation(2)])):
         with strat.scope():
             model = mlp()
             model.compile(optimizer="adam", loss=sparse_ce(), steps_per_execution=spe)
-        model.fit(batched(x, y, 16), epochs=2, verbose=0, callbacks=callbacks)
+        model.fit(batched(x, y, 16), epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
         results.append(model)
     assert int(results[1].optimizer.iterations.numpy()) == 18
     assert max_abs_diff(results[0].get_weights(), results[1].get_weights()) <= 1e-6
@@ -98,7 +114,8 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path):
     def run(callbacks):
         model = mlp()
         model.compile(optimizer=_optimizer("adam"), loss=sparse_ce(), steps_per_execution=2)
-        model.fit(batched(x, y, GLOBAL_BATCH), epochs=4, verbose=0, callbacks=callbacks)
+        model.fit(batched(x, y, GLOBAL_BATCH), epochs=4,
+                  shuffle=False, verbose=0, callbacks=callbacks)
         return model
 
     straight = run([GradientAccumulation(4)])
@@ -111,6 +128,7 @@ def test_resume_after_interruption_matches_uninterrupted(tmp_path):
     assert max_abs_diff(resumed.get_weights(), straight.get_weights()) <= 1e-6
 
 
+@pytest.mark.tensorflow_only("reads TensorFlow's CPU allocator peak (devices.read_memory)")
 def test_activation_memory_follows_the_micro_batch():
     """On an activation-heavy model, k=8 peaks well below plain fit at the same batch."""
     from keras_tpu_mem.devices import read_memory, reset_peak
@@ -160,8 +178,11 @@ class TestBadInput:
         model.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
                       loss=sparse_ce())
         with pytest.raises(ValueError, match="gradient_accumulation_steps=2.*compound"):
-            model.fit(batched(x, y, 32), verbose=0, callbacks=[GradientAccumulation(2)])
+            model.fit(batched(x, y, 32),
+                      shuffle=False, verbose=0, callbacks=[GradientAccumulation(2)])
 
+    @pytest.mark.tensorflow_only("TPUStrategyWrapper is a tf.distribute strategy; JAX: "
+                                 "test_accumulation_jax's per-replica refusal")
     def test_indivisible_static_batch_names_batch_replicas_and_steps(self):
         wrapper = TPUStrategyWrapper(logical_cpus=2)
         x, y = toy_data(120)
@@ -183,7 +204,7 @@ class TestBadInput:
         x, y = toy_data(102)  # batches of 32, 32, 32 and a last one of 6
         model = mlp()
         model.compile(optimizer="sgd", loss=sparse_ce(), jit_compile=jit)
-        with pytest.raises(tf.errors.InvalidArgumentError,
+        with pytest.raises(_step_error(),
                            match="GradientAccumulation.steps=4.*does not split evenly"):
             model.fit(x, y, batch_size=32, verbose=0, callbacks=[GradientAccumulation(4)])
 
@@ -193,11 +214,11 @@ class TestBadInput:
         x, y = toy_data(38)
         model = keras.Sequential([
             keras.Input((16,)),
-            keras.layers.Lambda(lambda t: tf.reshape(t, [16, 16])),
+            keras.layers.Lambda(lambda t: keras.ops.reshape(t, [16, 16])),
             keras.layers.Dense(5),
         ])
         model.compile(optimizer="sgd", loss=sparse_ce(), jit_compile=True)
-        with pytest.raises(tf.errors.InvalidArgumentError) as err:
+        with pytest.raises(_step_error()) as err:
             model.fit(x, y, batch_size=32, verbose=0, callbacks=[GradientAccumulation(2)])
         assert "reshape" in str(err.value).lower()
         assert "GradientAccumulation" not in str(err.value)
@@ -208,7 +229,8 @@ class TestBadInput:
         model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, reduction="sum"))
         with pytest.raises(ValueError, match="mean-reduced losses.*sum"):
-            model.fit(batched(x, y, 32), verbose=0, callbacks=[GradientAccumulation(2)])
+            model.fit(batched(x, y, 32),
+                      shuffle=False, verbose=0, callbacks=[GradientAccumulation(2)])
 
 
 def test_batchnorm_warns_once(ktm_records):
@@ -218,7 +240,7 @@ def test_batchnorm_warns_once(ktm_records):
                               keras.layers.BatchNormalization(), keras.layers.Dense(5)])
     model.compile(optimizer="sgd", loss=sparse_ce())
     callback = GradientAccumulation(2)
-    model.fit(batched(x, y, 32), epochs=2, verbose=0, callbacks=[callback])
+    model.fit(batched(x, y, 32), epochs=2, shuffle=False, verbose=0, callbacks=[callback])
     model.fit(batched(x, y, 32), epochs=1, verbose=0, callbacks=[callback])
     warnings = [r for r in ktm_records if "BatchNormalization" in r.getMessage()]
     assert len(warnings) == 1
@@ -243,7 +265,7 @@ def test_mixed_bfloat16_policy():
                                                      dtype="mixed_bfloat16"),
                                   keras.layers.Dense(5, dtype="float32")])
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss=sparse_ce())
-        model.fit(batched(x, y, GLOBAL_BATCH), verbose=0, callbacks=callbacks)
+        model.fit(batched(x, y, GLOBAL_BATCH), shuffle=False, verbose=0, callbacks=callbacks)
         models.append(model)
     assert all(w.dtype == "float32" for w in models[1].weights)
     # bf16 rounds each micro-batch's matmuls differently: close, not bit-equal
@@ -262,8 +284,8 @@ def _fit_micro(strategy, *, jit=False, spe=1, steps=4, epochs=1, callbacks=(), x
     with strategy.scope():
         model = mlp()
         model.compile(optimizer=_optimizer(optimizer), loss=sparse_ce(), metrics=["accuracy"],
-                      jit_compile=jit, steps_per_execution=spe)
-    history = model.fit(batched(x, y, MICRO), epochs=epochs, verbose=0, callbacks=[
+                      jit_compile=jit or BACKEND == "jax", steps_per_execution=spe)
+    history = model.fit(batched(x, y, MICRO), epochs=epochs, shuffle=False, verbose=0, callbacks=[
         GradientAccumulation(steps, dataset_yields="micro_batches"), *callbacks])
     return model, history
 
@@ -289,7 +311,7 @@ def test_micro_batches_equal_full_batch(references, case, spe, request):
 def test_micro_batches_count_updates_not_micro_batches():
     """1 update for a warm-up fit of 8 micro-batches (k=8), then 4 for a fit of 32."""
     x, y = toy_data(MICRO * 40)
-    with tf.distribute.get_strategy().scope():
+    with default_strategy().scope():
         model = mlp()
         model.compile(optimizer="sgd", loss=sparse_ce())
     seen = []
@@ -299,10 +321,10 @@ def test_micro_batches_count_updates_not_micro_batches():
             seen.append(batch)
 
     accumulate = GradientAccumulation(8, dataset_yields="micro_batches")
-    model.fit(batched(x[:64], y[:64], MICRO), verbose=0, callbacks=[accumulate])
+    model.fit(batched(x[:64], y[:64], MICRO), shuffle=False, verbose=0, callbacks=[accumulate])
     assert int(model.optimizer.iterations.numpy()) == 1
     seen.clear()
-    history = model.fit(batched(x[64:], y[64:], MICRO), verbose=0,
+    history = model.fit(batched(x[64:], y[64:], MICRO), shuffle=False, verbose=0,
                         callbacks=[accumulate, Batches()])
     assert int(model.optimizer.iterations.numpy()) == 1 + 4
     assert seen == list(range(32))   # Keras' batch indices count micro-batches
@@ -312,24 +334,28 @@ def test_micro_batches_count_updates_not_micro_batches():
 def test_micro_batches_partial_window_is_an_error():
     x, y = toy_data(MICRO * 10)   # 10 micro-batches, k=4
     with pytest.raises(ValueError, match=r"10 micro-batches, not a multiple of 4"):
-        _fit_micro(tf.distribute.get_strategy(), x=x, y=y)
+        _fit_micro(default_strategy(), x=x, y=y)
 
 
 def test_micro_batches_partial_window_of_unknown_length_fails_at_epoch_end():
     x, y = toy_data(MICRO * 6)
-    dataset = batched(x, y, MICRO).filter(lambda *_: True)  # `filter` loses the length
-    with tf.distribute.get_strategy().scope():
+
+    def batches():   # a generator: Keras does not know the epoch's length
+        for i in range(6):
+            yield x[i * MICRO:(i + 1) * MICRO], y[i * MICRO:(i + 1) * MICRO]
+
+    with default_strategy().scope():
         model = mlp()
         model.compile(optimizer="sgd", loss=sparse_ce())
     with pytest.raises(ValueError, match=r"2 micro-batch\(es\) into a window"):
-        model.fit(dataset, verbose=0,
+        model.fit(batches(), verbose=0,
                   callbacks=[GradientAccumulation(4, dataset_yields="micro_batches")])
     assert int(model.optimizer.iterations.numpy()) == 1   # the whole window was applied
 
 
 def test_micro_batches_refuse_steps_per_execution_that_does_not_tile():
     with pytest.raises(ValueError, match="steps_per_execution=3: one must divide the other"):
-        _fit_micro(tf.distribute.get_strategy(), spe=3)
+        _fit_micro(default_strategy(), spe=3)
 
 
 def test_micro_batches_arguments():
@@ -344,12 +370,12 @@ def test_micro_batches_arguments():
 def test_micro_batches_resume_after_interruption(tmp_path):
     """Windows never span epochs, so a resume at an epoch boundary is exact."""
     x, y = toy_data(GLOBAL_BATCH * UPDATES)
-    reference, _ = _fit_micro(tf.distribute.get_strategy(), epochs=3, x=x, y=y)
+    reference, _ = _fit_micro(default_strategy(), epochs=3, x=x, y=y)
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     with pytest.raises(RuntimeError, match="interrupted"):
-        _fit_micro(tf.distribute.get_strategy(), epochs=3, x=x, y=y,
+        _fit_micro(default_strategy(), epochs=3, x=x, y=y,
                    callbacks=[backup, RaiseAtEpoch(2)])
-    resumed, _ = _fit_micro(tf.distribute.get_strategy(), epochs=3, x=x, y=y,
+    resumed, _ = _fit_micro(default_strategy(), epochs=3, x=x, y=y,
                             callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
     assert max_abs_diff(resumed.get_weights(), reference.get_weights()) <= 1e-6
     assert int(resumed.optimizer.iterations.numpy()) == 3 * UPDATES
@@ -362,10 +388,10 @@ def test_micro_batches_compose_with_pruning_and_bf16_like_global_batches():
     x, y = toy_data(GLOBAL_BATCH * UPDATES)
 
     def run(mode, batch):
-        with tf.distribute.get_strategy().scope():
+        with default_strategy().scope():
             model = mlp()
             model.compile(optimizer=_optimizer("adam"), loss=sparse_ce())
-        model.fit(batched(x, y, batch), verbose=0, callbacks=[
+        model.fit(batched(x, y, batch), shuffle=False, verbose=0, callbacks=[
             GradientAccumulation(4, dataset_yields=mode), MixedBFloat16(),
             Pruning(ConstantSparsity(0.5, begin_step=2, frequency=1))])
         return model
@@ -374,5 +400,5 @@ def test_micro_batches_compose_with_pruning_and_bf16_like_global_batches():
     assert int(micro.optimizer.iterations.numpy()) == UPDATES
     # bf16 compute: the two loops sum the same micro-batch gradients in another order.
     assert max_abs_diff(micro.get_weights(), full.get_weights()) <= 1e-5
-    kernel = micro.layers[0].kernel.numpy()
+    kernel = keras.ops.convert_to_numpy(micro.layers[0].kernel)
     np.testing.assert_allclose(np.mean(kernel == 0), 0.5, atol=0.01)

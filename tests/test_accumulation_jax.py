@@ -1,5 +1,11 @@
 """GradientAccumulation on the JAX backend: the JAX matrix of docs/testing.md on 8 host devices.
 
+JAX only: what these check is JAX's own (the batch the traced step sees, per device
+inside shard_map; ModelParallel layouts; the compiled step's collectives). The
+backend-neutral behaviours (refusals, micro-batch windows, resume, full-batch
+equality on the default/jit/DataParallel matrix) are `test_accumulation.py`'s, run
+on both backends.
+
 Every exactness test compares against an independent reference: a plain
 Keras `fit` (Keras' own JAX train step, no keras_tpu_mem callback) on the full
 global batch, from the same initial weights.
@@ -171,15 +177,6 @@ def test_indivisible_per_replica_batch_is_refused_naming_the_numbers():
                       callbacks=[GradientAccumulation(STEPS)])
 
 
-def test_optimizer_with_its_own_accumulation_is_refused():
-    x, y = toy_data(64)
-    model = mlp()
-    model.compile(optimizer=keras.optimizers.Adam(gradient_accumulation_steps=2),
-                  loss=sparse_ce())
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
-        model.fit(x, y, batch_size=32, epochs=1, verbose=0,
-                  callbacks=[GradientAccumulation(STEPS)])
-
 
 def test_model_parallel_with_a_layer_output_layout():
     # A LayoutMap entry for a layer's output (Keras constrains the output to
@@ -265,53 +262,8 @@ def test_micro_batches_run_eagerly_match_full_batch():
     assert max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-6
 
 
-def test_micro_batches_count_updates_not_micro_batches():
-    """1 update for a warm-up fit of 8 micro-batches (k=8), then 4 for a fit of 32."""
-    x, y = toy_data(MICRO * 40)
-    model = mlp()
-    model.compile(optimizer="sgd", loss=sparse_ce())
-    seen = []
-
-    class Batches(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            seen.append(batch)
-
-    accumulate = GradientAccumulation(8, dataset_yields="micro_batches")
-    model.fit(x[:64], y[:64], batch_size=MICRO, shuffle=False, verbose=0,
-              callbacks=[accumulate])
-    assert int(model.optimizer.iterations) == 1
-    seen.clear()
-    history = model.fit(x[64:], y[64:], batch_size=MICRO, shuffle=False, verbose=0,
-                        callbacks=[accumulate, Batches()])
-    assert int(model.optimizer.iterations) == 1 + 4
-    assert seen == list(range(32))   # Keras' batch indices count micro-batches
-    assert len(history.history["loss"]) == 1
 
 
-def test_micro_batches_partial_window_is_an_error():
-    data = toy_data(MICRO * 10)   # 10 micro-batches, k=4
-    with pytest.raises(ValueError, match=r"10 micro-batches, not a multiple of 4"):
-        _fit_micro("none", data=data)
-
-
-def test_micro_batches_partial_window_of_unknown_length_fails_at_epoch_end():
-    x, y = toy_data(MICRO * 6)
-
-    def batches():   # a generator: Keras does not know the epoch's length
-        for i in range(6):
-            yield x[i * MICRO:(i + 1) * MICRO], y[i * MICRO:(i + 1) * MICRO]
-
-    model = mlp()
-    model.compile(optimizer="sgd", loss=sparse_ce())
-    with pytest.raises(ValueError, match=r"2 micro-batch\(es\) into a window"):
-        model.fit(batches(), verbose=0,
-                  callbacks=[GradientAccumulation(4, dataset_yields="micro_batches")])
-    assert int(model.optimizer.iterations) == 1   # the whole window was applied
-
-
-def test_micro_batches_refuse_steps_per_execution_that_does_not_tile():
-    with pytest.raises(ValueError, match="steps_per_execution=3: one must divide the other"):
-        _fit_micro("none", spe=3)
 
 
 def test_micro_batches_window_of_an_interrupted_fit_does_not_leak():

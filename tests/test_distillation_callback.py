@@ -1,4 +1,7 @@
-"""Tests for keras_tpu_mem.distillation.callback (Distillation) on TensorFlow.
+"""Tests for keras_tpu_mem.distillation.callback (Distillation), on both backends
+(conftest's BOTH_BACKENDS): one body per behaviour; "mirrored" is MirroredStrategy
+on TensorFlow and DataParallel over 8 devices on JAX, the cache is a tf.data
+dataset on TensorFlow and the array cache (a PyDataset) on JAX.
 
 References are independent of the engine: a numpy float64 re-implementation of
 SGD on a linear student with the distillation loss, hand-computed T^2 * KL,
@@ -11,8 +14,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from conftest import BACKEND
 from helpers import RaiseAtEpoch
+from helpers import batched as _array_batches
 
 import keras_tpu_mem.distillation as dist
 from keras_tpu_mem.accumulation import GradientAccumulation
@@ -109,12 +113,24 @@ def fit(model, data, callbacks, epochs=1, **kwargs):
 
 
 def batched(x, y, batch=BATCH, sample_weight=None):
+    """tf.data on TensorFlow; the same batches as a PyDataset on JAX (whole batches:
+    every data set here is a multiple of the batch)."""
+    if BACKEND != "tensorflow":
+        return _array_batches(x, y, batch, sample_weight)
+    import tensorflow as tf
+
     parts = (x, y) if sample_weight is None else (x, y, sample_weight)
     return tf.data.Dataset.from_tensor_slices(parts).batch(batch)
 
 
 def cached(teacher, x, y, batch=BATCH, top_k=None, path=None, student=None, **kwargs):
-    """The cached dataset, re-batched; prepares a strategy-scoped student."""
+    """The cached dataset, re-batched; prepares a strategy-scoped student. On JAX the
+    array cache (a PyDataset of `batch`), which needs no prepare_student."""
+    if BACKEND != "tensorflow":
+        sample_weight = kwargs.pop("sample_weight", None)
+        parts = (x, y) if sample_weight is None else (x, y, sample_weight)
+        return cache_teacher_logits(teacher, parts, batch_size=batch, top_k=top_k,
+                                    path=path, **kwargs)
     data = cache_teacher_logits(teacher, batched(x, y, 32, **kwargs), top_k=top_k,
                                 path=path).batch(batch)
     if student is not None:
@@ -139,17 +155,19 @@ def test_added_term_equals_numpy_t2_kl(temperature, top_k):
     callback = Distillation(temperature=temperature, alpha=0.3, top_k=top_k)
     callback.set_model(student)
     callback.install(student)
-    extras = {dist.LOGITS_KEY: tf.constant(teacher_logits)}
-    ctx = StepContext(student, None, None, tf.constant(sample_weight),
-                      tf.constant(student_logits), extras)
-    base = tf.constant(1.25)
+    tensor = keras.ops.convert_to_tensor
+    extras = {dist.LOGITS_KEY: tensor(teacher_logits)}
+    ctx = StepContext(student, None, None, tensor(sample_weight), tensor(student_logits),
+                      extras)
+    base = tensor(1.25)
     total = float(callback.transform_loss(base, ctx))
     kl = np_kl(student_logits, teacher_logits, temperature, top_k)
     expected = 0.7 * 1.25 + 0.3 * temperature**2 * np.mean(np.float64(sample_weight) * kl)
     np.testing.assert_allclose(total, expected, rtol=1e-5)
     # The per-example KL itself, in float32 against float64:
     np.testing.assert_allclose(
-        distillation_kl(student_logits, temperature, teacher_logits).numpy(),
+        keras.ops.convert_to_numpy(distillation_kl(student_logits, temperature,
+                                                   teacher_logits)),
         np_kl(student_logits, teacher_logits, temperature), rtol=1e-5, atol=1e-7)
 
 
@@ -230,8 +248,9 @@ def test_regularization_keeps_its_full_weight():
     ("mirrored", "cache", "distillation_first"),
 ])
 def test_gradient_accumulation_equals_full_batch(case_name, source, order):
-    """Distillation + GradientAccumulation(4): micro-batches of 4 (2 per replica) give
-    the full batch's update; the callbacks' order does not matter."""
+    """Distillation + GradientAccumulation: micro-batches of 4 (2 per replica on
+    MirroredStrategy's 2; on JAX's 8 devices steps=2, 1 per device) give the full
+    batch's update; the callbacks' order does not matter."""
     from conftest import StrategyCase
 
     case = StrategyCase(case_name)
@@ -242,7 +261,7 @@ def test_gradient_accumulation_equals_full_batch(case_name, source, order):
     else:
         data = cached(teacher, x, y, student=student)
         distill = Distillation(temperature=2.0, alpha=0.3)
-    callbacks = [GradientAccumulation(steps=4 // case.num_replicas), distill]
+    callbacks = [GradientAccumulation(steps=4 // min(case.num_replicas, 2)), distill]
     if order == "distillation_first":
         callbacks.reverse()
     history = fit(student, data, callbacks)
@@ -288,6 +307,8 @@ def test_composes_with_bfloat16_pruning_and_accumulation_in_any_order():
 
 def _reachable_tf_functions(fn):
     """Every tf.function reachable from a Python callable through closures."""
+    import tensorflow as tf
+
     found, seen, stack = [], set(), [fn]
     while stack:
         obj = stack.pop()

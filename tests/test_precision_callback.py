@@ -1,12 +1,14 @@
 """MixedBFloat16: bfloat16 compute, float32 variables, for the fit it is attached to
-(precision.callback)."""
+(precision.callback). One body per behaviour on both backends (conftest's
+BOTH_BACKENDS): "mirrored" is MirroredStrategy on TensorFlow, DataParallel over 8
+devices on JAX."""
 
 from __future__ import annotations
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from conftest import default_strategy
 from helpers import RaiseAtEpoch
 from precision_models import (
     BATCH,
@@ -37,7 +39,7 @@ def strategy_for(name):
         from conftest import MIRRORED  # one MirroredStrategy per process
 
         return MIRRORED
-    return tf.distribute.get_strategy()
+    return default_strategy()
 
 
 class ClearProbes(keras.callbacks.Callback):
@@ -112,13 +114,15 @@ def test_floor_digits_accuracy_and_dtypes(name, digits):
     print(f"{name}: float32 {float32_accuracy:.4f}, bfloat16 {bf16_accuracy:.4f}")
     assert float32_accuracy > 0.9
     assert abs(bf16_accuracy - float32_accuracy) <= 0.02, (float32_accuracy, bf16_accuracy)
+    # (The step count is int64, int32 on JAX without x64.)
     # During fit: hidden Dense layers computed in bfloat16 (what the traced step
     # really received), the output layer in float32, every variable float32.
     assert probe.compute["hidden_1"] == probe.compute["hidden_2"] == "bfloat16"
     assert probe.compute["logits"] == "float32"
     probes = [layer for layer in model.layers if isinstance(layer, DtypeProbe)]
     assert all(p.seen and set(p.seen) == {"bfloat16"} for p in probes), [p.seen for p in probes]
-    assert probe.variables == {"float32"} and probe.optimizer_variables <= {"float32", "int64"}
+    assert probe.variables == {"float32"}
+    assert probe.optimizer_variables <= {"float32", "int64", "int32"}
     # After fit: the model as built, float32 output, float32 variables.
     assert {layer.compute_dtype for layer in model.layers} == {"float32"}
     assert {v.dtype for v in model.variables} == {"float32"}
@@ -256,8 +260,10 @@ def test_batch_normalization_keeps_float32_statistics(digits):
     # the moving mean moves as Keras' float32 update says.
     dense = model.get_layer("d")
     kernel, bias = dense.get_weights()
-    h = tf.cast(tf.cast(x[:BATCH], "bfloat16") @ tf.cast(kernel, "bfloat16")
-                + tf.cast(bias, "bfloat16"), "float64").numpy()
+    ops = keras.ops
+    h = ops.convert_to_numpy(ops.cast(
+        ops.cast(x[:BATCH], "bfloat16") @ ops.cast(kernel, "bfloat16")
+        + ops.cast(bias, "bfloat16"), "float32")).astype("float64")
     expected = mean * bn.momentum + h.mean(axis=0) * (1 - bn.momentum)
     callback = MixedBFloat16()
     callback.install(model)
@@ -349,6 +355,9 @@ def test_mixed_float16_layers_switch_and_float64_layers_stay():
 
 
 # ------------------------------------------------------- float16 refusal
+@pytest.mark.tensorflow_only("MirroredStrategy's per-replica gradients: Keras' "
+                             "LossScaleOptimizer checks replica 0's only; JAX's step "
+                             "checks the global gradients")
 def test_float16_policy_under_two_replicas_is_refused(digits):
     (x, y), _ = digits
     with strategy_for("mirrored").scope():
@@ -361,6 +370,9 @@ def test_float16_policy_under_two_replicas_is_refused(digits):
                   callbacks=[GradientAccumulation(steps=2)])
 
 
+@pytest.mark.tensorflow_only("MirroredStrategy's per-replica gradients: Keras' "
+                             "LossScaleOptimizer checks replica 0's only; JAX's step "
+                             "checks the global gradients")
 def test_loss_scale_optimizer_with_our_callback_under_two_replicas_is_refused(digits):
     (x, y), _ = digits
     with strategy_for("mirrored").scope():

@@ -1,4 +1,9 @@
-"""Output layers: float32 forward, bfloat16 backward (precision.output)."""
+"""Output layers: float32 forward, bfloat16 backward (precision.output).
+
+TensorFlow only: these read gradients through tf.GradientTape and the ops of a
+tf.function graph. JAX's counterpart of the forward check is
+`test_precision_callback_jax.py::test_output_layer_forward_is_exactly_float32`.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The `Pruning` callback on TensorFlow: fits across the matrix, resume, arguments, logs.
+"""The `Pruning` callback: fits across the matrix, resume, arguments, logs; one body
+per behaviour on both backends (conftest's BOTH_BACKENDS; "mirrored" is
+MirroredStrategy on TensorFlow, DataParallel over 8 devices on JAX).
 
 Schedules (against tfmot) are in `test_pruning_schedules.py`, masks in
 `test_pruning_masks.py`, layer selection in `test_pruning_selection.py`,
@@ -12,7 +14,7 @@ import os
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from conftest import BACKEND, default_strategy
 from helpers import RaiseAtEpoch, max_abs_diff, sparse_ce, toy_data
 from pruning_cases import check_a_schedule_that_never_pruned_warns_once
 
@@ -29,7 +31,7 @@ from keras_tpu_mem.pruning import (
 def _strategy(case: str):
     """The strategy of a matrix cell (the session's one MirroredStrategy, see conftest)."""
     if case != "mirrored":
-        return tf.distribute.get_strategy()
+        return default_strategy()
     from conftest import MIRRORED
 
     return MIRRORED
@@ -45,12 +47,12 @@ def _digits_mlp(strategy, jit=False, spe=1, hidden=128):
             keras.layers.Dense(10),
         ])
         model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=sparse_ce(),
-                      jit_compile=jit, steps_per_execution=spe)
+                      jit_compile=jit or BACKEND == "jax", steps_per_execution=spe)
     return model
 
 
 def _small_mlp(strategy=None, spe=1, jit=False, seed=1):
-    strategy = strategy or tf.distribute.get_strategy()
+    strategy = strategy or default_strategy()
     keras.utils.set_random_seed(seed)
     with strategy.scope():
         model = keras.Sequential([
@@ -59,8 +61,12 @@ def _small_mlp(strategy=None, spe=1, jit=False, seed=1):
             keras.layers.Dense(5),
         ])
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=sparse_ce(),
-                      jit_compile=jit, steps_per_execution=spe)
+                      jit_compile=jit or BACKEND == "jax", steps_per_execution=spe)
     return model
+
+
+def _numpy(tensor):
+    return keras.ops.convert_to_numpy(tensor)
 
 
 def _kernels(model):
@@ -96,6 +102,10 @@ class ZerosAfterBatch(keras.callbacks.Callback):
         self.fractions = []
 
     def on_train_batch_end(self, batch, logs=None):
+        if BACKEND == "jax":
+            # Keras' JAX fit keeps the state outside the variables between
+            # batches; this writes it back so the variable can be read.
+            self.model.jax_state_sync()
         self.fractions.append(float(np.mean(_replicas(self.variable)[0] == 0)))
 
 
@@ -129,7 +139,7 @@ def _floor_data(digits):
 def dense_digits_accuracy(digits):
     """The dense model, plain Keras fit, trained the same number of epochs."""
     (x, y), (xv, yv) = _floor_data(digits)
-    model = _digits_mlp(tf.distribute.get_strategy())
+    model = _digits_mlp(default_strategy())
     model.fit(x, y, batch_size=FLOOR_BATCH, epochs=FLOOR_EPOCHS, verbose=0, shuffle=False)
     return _numpy_accuracy(model, xv, yv)
 
@@ -240,6 +250,8 @@ def test_second_fit_keeps_masks_and_frees_zeros_before_pruning_starts():
     np.testing.assert_array_equal(np.asarray(kernel.value) == 0, zeros)
 
 
+@pytest.mark.tensorflow_only("only TensorFlow compiles a step without XLA (float32 masks); "
+                             "JAX's step is always XLA (bool masks)")
 def test_recompiling_for_xla_keeps_the_masks_in_bool():
     """Masks are bool under XLA (1 byte) and in the weight's dtype without (a multiply
     is faster there); a recompile that switches XLA on mid-run keeps what was pruned."""
@@ -378,7 +390,11 @@ def test_block_size_needs_rank_2_at_fit():
     Pruning(ConstantSparsity(0.5, 0), block_size=(2, 2), layers=["head"]).install(model)
 
 
+@pytest.mark.tensorflow_only("the schedule returns tf ops and the out-of-range sparsity "
+                             "is a run-time tf.debugging error")
 def test_custom_callable_schedule_and_invalid_sparsity():
+    import tensorflow as tf
+
     x, y = toy_data(64, inputs=16)
     model = _small_mlp()
 
@@ -444,7 +460,10 @@ def test_subclassed_model_under_mixed_bfloat16(case, tmp_path):
 # ------------------------------------------------------------ logs and steps
 
 
+@pytest.mark.tensorflow_only("reads the event files with tf.compat.v1.train.summary_iterator")
 def test_log_dir_writes_sparsity_and_threshold(tmp_path):
+    import tensorflow as tf
+
     x, y = toy_data(128, inputs=16)
     model = _small_mlp()
     model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[
@@ -477,27 +496,28 @@ def test_log_dir_writes_sparsity_and_threshold(tmp_path):
 ])
 def test_in_step_predicate_equals_the_schedule(schedule):
     """The simplified predicate the step evaluates equals schedule(step)[0]."""
-    steps = tf.range(0, 2001, dtype=tf.int64)
+    steps = keras.ops.arange(0, 2001, dtype="int64")
     should, sparsity_fn = Pruning(schedule)._should_prune(steps)
     expected, _ = schedule(steps)
-    np.testing.assert_array_equal(np.broadcast_to(should.numpy(), expected.shape),
-                                  expected.numpy())
-    np.testing.assert_array_equal(sparsity_fn().numpy(), schedule(steps)[1].numpy())
+    expected = _numpy(expected)
+    np.testing.assert_array_equal(np.broadcast_to(_numpy(should), expected.shape), expected)
+    np.testing.assert_array_equal(_numpy(sparsity_fn()), _numpy(schedule(steps)[1]))
 
 
 class _EveryThirdStepFromFive(ConstantSparsity):
     """A user's subclass whose `__call__` decides otherwise than its attributes say."""
 
     def __call__(self, step):
-        should = tf.logical_and(step >= 5, tf.equal(tf.math.floormod(step, 3), 0))
-        return should, tf.constant(self.target_sparsity, tf.float32)
+        ops = keras.ops
+        should = ops.logical_and(step >= 5, ops.equal(ops.mod(step, 3), 0))
+        return should, ops.convert_to_tensor(self.target_sparsity, "float32")
 
 
 def test_a_subclass_schedule_is_asked_not_simplified():
     schedule = _EveryThirdStepFromFive(0.5, begin_step=0, frequency=100)
     pruning = Pruning(schedule)
     for step in range(40):
-        should, _ = pruning._should_prune(tf.constant(step, tf.int64))
+        should, _ = pruning._should_prune(keras.ops.convert_to_tensor(step, "int64"))
         assert bool(should) == (step >= 5 and step % 3 == 0), step
     assert not pruning._pruning_started(5)
     assert pruning._pruning_started(6)
@@ -536,13 +556,13 @@ def test_pruning_started_agrees_with_walking_every_step():
     schedules += [PolynomialDecay(i, fin, begin_step=b, end_step=e, frequency=f)
                   for i in (0.0, 0.3) for fin in (0.0, 0.6) for b in (0, 5) for e in (9, 40)
                   for f in (1, 3, 16)]
-    steps = tf.range(1, 61, dtype=tf.int64)
+    steps = keras.ops.arange(1, 61, dtype="int64")
     for schedule in schedules:
         should, sparsity = schedule(steps)
-        prunes = np.logical_and(should.numpy(), sparsity.numpy() > 0)
+        prunes = np.logical_and(_numpy(should), _numpy(sparsity) > 0)
         expected = np.logical_or.accumulate(prunes)
         pruning = Pruning(schedule)
-        got = [pruning._pruning_started(int(s)) for s in steps.numpy()]
+        got = [pruning._pruning_started(int(s)) for s in _numpy(steps)]
         np.testing.assert_array_equal(got, expected, err_msg=repr(schedule))
 
 

@@ -1,7 +1,7 @@
 """Pruning masks against an independent numpy reference, on the active backend.
 
-The same test logic runs on TensorFlow (this module) and on JAX
-(`test_pruning_masks_jax.py` imports it): both backends are compared with the
+The same test bodies run on TensorFlow and on JAX (conftest's BOTH_BACKENDS):
+both backends are compared with the
 same numpy reference on the same kernels, so their masks are identical to each
 other through it, without one process needing both frameworks. Masks are
 discrete: every comparison is exact.
@@ -226,10 +226,12 @@ def test_bfloat16_weights_give_the_float32_mask_of_their_values():
 
 
 # ------------------------------------------- TensorFlow only (also under XLA)
-# Not imported by `test_pruning_masks_jax.py`; TensorFlow is imported inside each
-# test so that importing this module on JAX never imports it.
+# Marked `tensorflow_only` (deselected on JAX): they call the masks on tf tensors
+# inside tf.function; TensorFlow is imported inside each test so that importing
+# this module on JAX never imports it.
 
 
+@pytest.mark.tensorflow_only("the masks on tf tensors, under tf.function")
 def test_kth_largest_exact():
     import tensorflow as tf
 
@@ -245,6 +247,7 @@ def test_kth_largest_exact():
         assert float(fn(tf.constant(values), tf.constant(k))) == ordered[k - 1], k
 
 
+@pytest.mark.tensorflow_only("the masks on tf tensors, under tf.function")
 @pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.5, 0.8, 0.99])
 def test_magnitude_mask_matches_numpy(sparsity):
     import tensorflow as tf
@@ -259,6 +262,7 @@ def test_magnitude_mask_matches_numpy(sparsity):
     assert int(mask.numpy().sum()) == k
 
 
+@pytest.mark.tensorflow_only("the masks on tf tensors, under tf.function")
 @pytest.mark.parametrize("shape, block, pooling", [
     ((8, 6), (2, 3), "AVG"), ((9, 7), (2, 2), "AVG"), ((9, 7), (4, 3), "MAX"),
     ((5, 16), (1, 4), "MAX"),
@@ -281,6 +285,7 @@ def test_block_mask_matches_numpy(shape, block, pooling):
     np.testing.assert_array_equal(mask.numpy(), expected)
 
 
+@pytest.mark.tensorflow_only("the masks on tf tensors, under tf.function")
 @pytest.mark.parametrize("shape, axis", [((16, 6), 0), ((3, 3, 8, 5), 2), ((3, 8, 12), 1),
                                          ((10, 3), 0)])
 def test_m_by_n_mask_groups(shape, axis):
@@ -301,6 +306,7 @@ def test_m_by_n_mask_groups(shape, axis):
         np.testing.assert_array_equal(group_m, ranks < keep)
 
 
+@pytest.mark.tensorflow_only("the masks on tf tensors, under tf.function")
 @pytest.mark.parametrize("mask_dtype", ["bool", "float32"])
 def test_masking_writes_exact_zeros_over_non_finite_values(mask_dtype):
     import tensorflow as tf
