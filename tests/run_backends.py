@@ -21,6 +21,7 @@ non-zero when any run fails, a run collects no test, or no backend could run.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import os
 import pathlib
@@ -68,11 +69,22 @@ def combined_line(runs: list[dict[str, int]]) -> str:
     return f"{line}, {skipped} skipped" if skipped else line
 
 
+def _shared_files() -> frozenset[str]:
+    """`BOTH_BACKENDS` of tests/conftest.py, read from its source (importing conftest
+    would set a backend up)."""
+    tree = ast.parse((TESTS / "conftest.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and node.target.id == "BOTH_BACKENDS"):
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
+
+
 def backend_of(path: str) -> str | None:
-    """The backend a test file of this suite belongs to (None for a folder or a file
-    outside tests/: both)."""
+    """The backend a test file of this suite belongs to (None for a folder, a file
+    outside tests/ or a file conftest shares with both backends: both)."""
     file = pathlib.Path(path.split("::")[0]).resolve()
-    if file.is_dir() or TESTS not in file.parents:
+    if file.is_dir() or TESTS not in file.parents or file.name in _shared_files():
         return None
     return "jax" if file.stem.endswith("_jax") else "tensorflow"
 
@@ -85,8 +97,9 @@ def run_backend(backend: str, pytest_args: list[str]) -> tuple[int, str]:
     """Runs pytest for one backend, echoing its output; returns (exit code, output).
 
     Test files named in `pytest_args` go to their own backend only (`*_jax.py` to
-    JAX, other modules to TensorFlow; pytest would collect a named file whatever
-    conftest ignores); a backend left with none of the named files is not run
+    JAX, the files conftest shares to both, other modules to TensorFlow; pytest
+    would collect a named file whatever conftest ignores); a backend left with none
+    of the named files is not run
     (exit code 5, "no tests ran")."""
     paths = [a for a in pytest_args
              if not a.startswith("-") and pathlib.Path(a.split("::")[0]).exists()]
