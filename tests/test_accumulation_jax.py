@@ -248,17 +248,22 @@ def test_micro_batches_equal_full_batch(case, spe):
 
 @pytest.mark.slow
 def test_micro_batches_run_eagerly_match_full_batch():
-    """run_eagerly: the same two steps, unjitted (shard_map runs eagerly too)."""
-    data = toy_data(UPDATES * GLOBAL_BATCH)
+    """run_eagerly: the same two steps, unjitted (shard_map runs eagerly too).
+
+    Two updates (8 eager micro-batch steps over 8 devices, not 20): a second window
+    still follows an applied one, so an accumulator the first left behind would show."""
+    updates = 2
+    data = toy_data(updates * GLOBAL_BATCH)
     x, y = data
     reference, _, _ = _fit_micro("dp8", mode=None, batch_size=GLOBAL_BATCH, data=data)
+    assert int(reference.optimizer.iterations) == updates
     with make_distribution("dp8").scope():
         model = mlp()
         model.compile(optimizer=_adam(), loss=sparse_ce(), run_eagerly=True)
         model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0,
                   callbacks=[GradientAccumulation(STEPS, dataset_yields="micro_batches")])
     assert not hasattr(model.train_function.pulled_steps[True], "lower")  # not jitted
-    assert int(model.optimizer.iterations) == UPDATES
+    assert int(model.optimizer.iterations) == updates
     assert max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-6
 
 
