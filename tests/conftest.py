@@ -27,11 +27,11 @@ os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"
 # tf.data, tf.function graphs) carries `@pytest.mark.tensorflow_only("why")` and is
 # deselected on JAX (see `pytest_collection_modifyitems`).
 BACKEND = os.environ["KERAS_BACKEND"]
-# Shared next, once they are cheap enough on JAX (each adds minutes to a JAX run on two
-# cores: digits fits to an accuracy floor): test_precision_callback.py,
-# test_pruning_callback.py, test_distillation_callback.py (issue 29).
 BOTH_BACKENDS: tuple[str, ...] = (
     "test_accumulation.py",
+    "test_precision_callback.py",
+    "test_pruning_callback.py",
+    "test_distillation_callback.py",
     "test_pruning_export.py",
     "test_pruning_masks.py",
     "test_pruning_report.py",

@@ -52,13 +52,18 @@ class ClearProbes(keras.callbacks.Callback):
                 layer.seen.clear()
 
 
-def train_digits(digits, config, bf16, epochs=8, probes=False, extra=()):
+# Four epochs at a learning rate of 0.01 reach what eight at 0.003 did (float32 about
+# 0.97 on the held-out fifth, bfloat16 within 0.01 of it) in half the steps.
+EPOCHS, LR = 4, 1e-2
+
+
+def train_digits(digits, config, bf16, epochs=EPOCHS, probes=False, extra=()):
     """One digits fit under a matrix configuration; returns (model, final val accuracy)."""
     (x, y), (xv, yv) = digits
     strategy = strategy_for(config["strategy"])
     with strategy.scope():
         model = compiled(digits_mlp(probes), jit=config.get("jit", False),
-                         spe=config.get("spe", 1))
+                         spe=config.get("spe", 1), lr=LR)
     callbacks = [ClearProbes(), *extra]
     if config.get("accumulate"):
         callbacks.append(GradientAccumulation(steps=config["accumulate"]))
@@ -86,6 +91,10 @@ MATRIX = {
     "accumulate2-default": {"strategy": "default", "accumulate": 2},
     "accumulate2-mirrored": {"strategy": "mirrored", "accumulate": 2},
 }
+# Each cell is two digits fits; these repeat what the others cover (steps_per_execution
+# and accumulation under two replicas include the one-replica case's code), so they run
+# once per backend in CI, on the README's line (`slow`).
+SLOW_CELLS = ("spe4-default", "accumulate2-default")
 
 
 _FLOAT32_ACCURACY: dict = {}
@@ -104,7 +113,9 @@ def float32_accuracy_for(digits, config):
     return _FLOAT32_ACCURACY[key]
 
 
-@pytest.mark.parametrize("name", list(MATRIX))
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_CELLS else name
+    for name in MATRIX])
 def test_floor_digits_accuracy_and_dtypes(name, digits):
     config = MATRIX[name]
     float32_accuracy = float32_accuracy_for(digits, config)
@@ -134,23 +145,23 @@ def test_resume_after_interruption(digits, tmp_path):
     (x, y), (xv, yv) = digits
 
     def run(backup, interrupt=None, seed=0):
-        model = compiled(digits_mlp(seed=seed), spe=2)
+        model = compiled(digits_mlp(seed=seed), spe=2, lr=LR)
         callbacks = [MixedBFloat16(), keras.callbacks.BackupAndRestore(str(backup))]
         if interrupt is not None:
             callbacks.append(RaiseAtEpoch(interrupt))
-        model.fit(x[:TRAIN], y[:TRAIN], batch_size=BATCH, epochs=8, verbose=0,
+        model.fit(x[:TRAIN], y[:TRAIN], batch_size=BATCH, epochs=EPOCHS, verbose=0,
                   shuffle=False, callbacks=callbacks)
         return model
 
     reference = run(tmp_path / "a")
-    with pytest.raises(RuntimeError, match="interrupted at epoch 3"):
-        run(tmp_path / "b", interrupt=3)
+    with pytest.raises(RuntimeError, match="interrupted at epoch 2"):
+        run(tmp_path / "b", interrupt=2)
     resumed = run(tmp_path / "b", seed=5)  # a new process: other initial weights
-    assert int(resumed.optimizer.iterations.numpy()) == 8 * 11
+    assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * 11
     for got, want in zip(resumed.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    float32_model = compiled(digits_mlp(), spe=2)
-    float32_model.fit(x[:TRAIN], y[:TRAIN], batch_size=BATCH, epochs=8, verbose=0,
+    float32_model = compiled(digits_mlp(), spe=2, lr=LR)
+    float32_model.fit(x[:TRAIN], y[:TRAIN], batch_size=BATCH, epochs=EPOCHS, verbose=0,
                       shuffle=False)
     accuracy = resumed.evaluate(xv, yv, verbose=0)[1]
     assert abs(accuracy - float32_model.evaluate(xv, yv, verbose=0)[1]) <= 0.02
@@ -417,11 +428,12 @@ def test_get_config_round_trip():
 def test_keep_after_fit_leaves_a_bf16_model_with_float32_output(digits):
     """The issue's literal floor: *after* fit, hidden Dense layers compute in bfloat16."""
     (x, y), (xv, yv) = digits
-    reference = compiled(digits_mlp())
-    reference.fit(x[:TRAIN], y[:TRAIN], batch_size=BATCH, epochs=8, verbose=0, shuffle=False)
-    model = compiled(digits_mlp())
+    reference = compiled(digits_mlp(), lr=LR)
+    reference.fit(x[:TRAIN], y[:TRAIN], batch_size=BATCH, epochs=EPOCHS, verbose=0,
+                  shuffle=False)
+    model = compiled(digits_mlp(), lr=LR)
     callback = MixedBFloat16(keep_after_fit=True)
-    model.fit(x[:TRAIN], y[:TRAIN], batch_size=BATCH, epochs=8, verbose=0, shuffle=False,
+    model.fit(x[:TRAIN], y[:TRAIN], batch_size=BATCH, epochs=EPOCHS, verbose=0, shuffle=False,
               callbacks=[callback])
     assert model.get_layer("hidden_1").compute_dtype == "bfloat16"
     assert model.get_layer("hidden_2").compute_dtype == "bfloat16"

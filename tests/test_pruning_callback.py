@@ -10,13 +10,13 @@ Schedules (against tfmot) are in `test_pruning_schedules.py`, masks in
 
 import json
 import os
+import warnings
 
 import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, default_strategy
 from helpers import RaiseAtEpoch, max_abs_diff, sparse_ce, toy_data
-from pruning_cases import check_a_schedule_that_never_pruned_warns_once
 
 from keras_tpu_mem import GradientAccumulation
 from keras_tpu_mem.pruning import (
@@ -381,9 +381,10 @@ def test_schedule_must_be_callable_with_a_pair():
 
 
 def test_block_size_needs_rank_2_at_fit():
-    from test_pruning_selection import _zoo
-
-    model = _zoo()
+    keras.utils.set_random_seed(0)
+    image = keras.Input((6, 6, 1))
+    h = keras.layers.Flatten()(keras.layers.Conv2D(2, 3, name="conv")(image))
+    model = keras.Model(image, keras.layers.Dense(3, name="head")(h))
     model.compile("sgd", sparse_ce())
     with pytest.raises(ValueError, match="needs rank-2 weights"):
         Pruning(ConstantSparsity(0.5, 0), block_size=(2, 2)).install(model)
@@ -566,5 +567,36 @@ def test_pruning_started_agrees_with_walking_every_step():
         np.testing.assert_array_equal(got, expected, err_msg=repr(schedule))
 
 
+def _fit_warnings(schedule):
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(5)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 16)).astype("float32")
+    y = rng.integers(0, 5, 256)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+                  callbacks=[Pruning(schedule)])
+    never = [str(w.message) for w in caught if "nothing was pruned" in str(w.message)]
+    kernel = np.asarray(model.layers[0].kernel)
+    return never, int(np.asarray(model.optimizer.iterations)), float((kernel == 0).mean())
+
+
 def test_a_schedule_that_never_pruned_warns_once():
-    check_a_schedule_that_never_pruned_warns_once()
+    """tfmot's default frequency=100 on a short fine-tune: 64 updates, first pruning
+    step 100 (begin_step=0 is turn 0, before the first update); then a schedule that
+    prunes at step 10, which must not warn; then PolynomialDecay from 0, whose first
+    turn prunes nothing (sparsity 0) and whose second is the one to name."""
+    never, updates, zeros = _fit_warnings(ConstantSparsity(0.5, begin_step=0))
+    assert updates == 64 and zeros == 0.0
+    assert len(never) == 1, never
+    assert "first pruning step is 100" in never[0] and "64 optimizer updates" in never[0]
+
+    never, _, zeros = _fit_warnings(ConstantSparsity(0.5, begin_step=0, frequency=10))
+    assert never == [] and abs(zeros - 0.5) < 0.01
+
+    never, _, _ = _fit_warnings(PolynomialDecay(0.0, 0.5, begin_step=70, end_step=400,
+                                                  frequency=50))
+    assert len(never) == 1 and "first pruning step is 120" in never[0], never
