@@ -88,6 +88,7 @@ except Exception as err:
 """
 
 
+@pytest.mark.slow  # fresh processes (docs/testing.md: slow)
 @pytest.mark.parametrize("import_line", [
     "from keras_tpu_mem.sharding import ShardedDataParallel",
     "from keras_tpu_mem.accumulation import GradientAccumulation",

@@ -25,6 +25,7 @@ from keras_tpu_mem import monitoring as mon
 from keras_tpu_mem.monitoring import _writer
 
 
+@pytest.mark.slow  # two fresh processes (docs/testing.md: slow)
 def test_host_rss_on_jax_cpu_every_epoch_and_growing_with_the_batch(tmp_path):
     """JAX's CPU devices keep no statistics: the process's RSS, named so, every epoch.
 
@@ -184,6 +185,7 @@ _NO_TF_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh process; it proves most with TensorFlow installed
 def test_monitoring_profiling_and_report_never_import_tensorflow(tmp_path):
     """In a fresh JAX process (TensorFlow may well be installed beside it)."""
     script = tmp_path / "no_tf.py"

@@ -91,6 +91,7 @@ _SUMMARY_WITHOUT_TF = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh process; it proves most with TensorFlow installed
 @needs_converter
 def test_the_summary_never_imports_tensorflow(tmp_path):
     """The summary tells the modules that ran with the TF-free XSpace class

@@ -568,13 +568,8 @@ def test_pruning_started_agrees_with_walking_every_step():
 
 
 def _fit_warnings(schedule):
-    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(5)])
-    model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((256, 16)).astype("float32")
-    y = rng.integers(0, 5, 256)
+    model = _small_mlp()
+    x, y = toy_data(256, inputs=16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_backend_is_jax():
     import keras
@@ -15,6 +17,7 @@ def test_backend_is_jax():
     assert keras.backend.backend() == "jax"
 
 
+@pytest.mark.slow  # a fresh process; it proves most with TensorFlow installed
 def test_importing_masks_and_schedules_imports_no_tensorflow():
     code = (
         "import sys, keras_tpu_mem.pruning.masks, keras_tpu_mem.pruning.schedules\n"
