@@ -22,7 +22,7 @@ TOTAL = EPOCHS * STEPS
 END = round(0.6 * TOTAL)
 
 
-def _digits_mlp(distribution=None, spe=1):
+def _digits_mlp(distribution=None):
     keras.utils.set_random_seed(0)
     with scope(distribution):
         model = keras.Sequential([
@@ -31,8 +31,7 @@ def _digits_mlp(distribution=None, spe=1):
             keras.layers.Dense(256, activation="relu", name="dense_2"),
             keras.layers.Dense(16, name="dense_out"),
         ])
-        model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=sparse_ce(),
-                      steps_per_execution=spe)
+        model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=sparse_ce())
     return model
 
 
@@ -59,13 +58,13 @@ def dense_accuracy(digits):
     return _numpy_accuracy(model, xv, yv)
 
 
-# DataParallel(8) (spe 1 and 4) is test_pruning_callback.py's floor, collected on JAX
-# too; ModelParallel, whose masks must lie like their kernels, is JAX's alone.
-@pytest.mark.parametrize("case, spe", [("mp2x4", 1)])
-def test_floor_polynomial_decay_on_digits(case, spe, digits, dense_accuracy):
+def test_floor_polynomial_decay_on_digits_under_model_parallel(digits, dense_accuracy):
+    """Under ModelParallel (2 x 4) the masks must lie like their kernels. The
+    DataParallel(8) floor (spe 1 and 4) is test_pruning_callback.py's, collected on
+    JAX too."""
     (x, y), (xv, yv) = _data(digits)
-    distribution = make_distribution(case)
-    model = _digits_mlp(distribution, spe)
+    distribution = make_distribution("mp2x4")
+    model = _digits_mlp(distribution)
     schedule = PolynomialDecay(0.0, 0.8, begin_step=0, end_step=END, frequency=20)
     pruning = Pruning(schedule)
     with scope(distribution):
@@ -78,8 +77,7 @@ def test_floor_polynomial_decay_on_digits(case, spe, digits, dense_accuracy):
         assert np.mean(value == 0) == pytest.approx(0.80, abs=0.01), kernel.path
         # The mask travelled with the step and covers exactly the zeros.
         np.testing.assert_array_equal(np.asarray(w.mask.value), value != 0)
-        if case == "mp2x4":
-            assert w.mask.value.sharding.is_equivalent_to(kernel.value.sharding, 2)
+        assert w.mask.value.sharding.is_equivalent_to(kernel.value.sharding, 2)
     assert dense_accuracy > 0.9
     accuracy = _numpy_accuracy(model, xv, yv)
     assert accuracy >= dense_accuracy - 0.02, (accuracy, dense_accuracy)
