@@ -329,16 +329,27 @@ class Compiled(Protocol):
         (`CompiledMemory.by_layer()`) sees what this one saw."""
         ...
 
+    def prepare_step(self, model, xs, ys, features, compile_context,
+                     keras_step: bool | None = None):
+        """What `compile_step` of the same arguments does before XLA compiles, done now
+        under the active distribution (JAX: the trace and lowering), to pass on as
+        `compile_step(..., prepared=)`; None where the backend has nothing to do ahead
+        (TensorFlow traces and compiles in one call)."""
+        ...
+
     def compile_step(self, model, xs, ys, features, compile_context, hlo_text: bool,
                      description: str, dump: bool = False,
-                     keras_step: bool | None = None) -> dict:
+                     keras_step: bool | None = None, prepared=None,
+                     meanwhile=None) -> dict:
         """Compiles the step (`compile_context(model, features)` installs the features)
         and returns plain numbers: `argument`, `temp`, `live_out`, `alias`, `constant`
         bytes, `module_name`, `platform`, `devices`, `hlo_text`, and `dump`, what
         `CompiledLayers.layer_rows` reads (with `dump`; else None). Without features,
         `keras_step` picks the step: None, what `fit` runs; True, Keras' own; False, the
         engine's (for state split over the batch axis: JAX; TensorFlow raises
-        `ValueError`).
+        `ValueError`). `prepared`: `prepare_step`'s handle of this step. `meanwhile`:
+        work to overlap with XLA's compile (JAX compiles on another thread and calls it
+        meanwhile); a backend that cannot overlap (TensorFlow) does not call it.
 
         Raises:
             CompileRefused: XLA refused the step as too large for the device.

@@ -144,6 +144,7 @@ class Compiler:
         self._model = None
         self._built = False
         self._scope_args = None
+        self._prepared = None  # (cache key, the backend's prepared step): `prepare`
 
     @contextlib.contextmanager
     def targeting(self):
@@ -234,19 +235,48 @@ class Compiler:
                                      hlo_text)
         return dataclasses.replace(result, batch_size=global_batch, replicas=replicas)
 
-    def __call__(self, per_replica: int, features=(), hlo_text: bool = False) -> CompiledMemory:
+    def __call__(self, per_replica: int, features=(), hlo_text: bool = False,
+                 meanwhile=None) -> CompiledMemory:
         """The step at a per-replica batch (one data-parallel shard's, see `compile_global`)."""
         result = self.compile_global(per_replica * self.backend.compile_shards(), features,
-                                     hlo_text)
+                                     hlo_text, meanwhile=meanwhile)
         if result.batch_size != per_replica:
             return dataclasses.replace(result, batch_size=per_replica)
         return result
 
+    def prepare(self, per_replica: int, features=()) -> None:
+        """Does now what a later `self(per_replica, features)` does before XLA compiles
+        (the backend's `prepare_step`: on JAX the trace and lowering), under the
+        distribution and layouts active now, so that it can overlap a compile in
+        progress (`meanwhile=`). Nothing where that step is cached or the backend has
+        nothing to prepare; only the last prepared step is kept."""
+        global_batch = per_replica * self.backend.compile_shards()
+        features = tuple(features)
+        xs, ys = self.specs(global_batch)
+        if not self._built:
+            return  # the first compile builds the model's state
+        key = self._key(xs, ys, features, None)
+        if key in self._cache():
+            return
+        prepared = self.backend.prepare_step(self.model, xs, ys, features, compile_context)
+        self._prepared = None if prepared is None else (key, prepared)
+
+    def _cache(self) -> dict:
+        try:
+            return _CACHE.setdefault(self.user_model, {})
+        except TypeError:  # not weak-referenceable: no cache
+            return {}
+
+    def _key(self, xs, ys, features, keras_step) -> tuple:
+        return (_state_key(self.user_model, xs, ys, features), self.backend.cache_scope(),
+                keras_step)
+
     def compile_global(self, global_batch: int, features=(),
-                       hlo_text: bool = False, keras_step: bool | None = None
-                       ) -> CompiledMemory:
+                       hlo_text: bool = False, keras_step: bool | None = None,
+                       meanwhile=None) -> CompiledMemory:
         """The step at the batch one compile takes: one replica's on TensorFlow, the
-        global batch over the active `keras.distribution`'s devices on JAX."""
+        global batch over the active `keras.distribution`'s devices on JAX.
+        `meanwhile`: work to overlap with XLA's compile (`Compiled.compile_step`)."""
         self.backend.check_context(self.what)
         features = tuple(features)
         for feature in features:
@@ -261,12 +291,8 @@ class Compiler:
                 "data-parallel devices of the active keras.distribution; use a multiple "
                 f"of {shards}.")
         xs, ys = self.specs(global_batch)
-        try:
-            cache = _CACHE.setdefault(self.user_model, {})
-        except TypeError:  # not weak-referenceable: no cache
-            cache = {}
-        key = (_state_key(self.user_model, xs, ys, features), self.backend.cache_scope(),
-               keras_step)
+        cache = self._cache()
+        key = self._key(xs, ys, features, keras_step)
         cached = cache.get(key)
         if cached is not None and (cached.hlo_text or not hlo_text):
             return cached
@@ -275,8 +301,7 @@ class Compiler:
             _build_for(model, xs, ys)
             self._built = True
             # Building may add variables.
-            key = (_state_key(self.user_model, xs, ys, features), self.backend.cache_scope(),
-                   keras_step)
+            key = self._key(xs, ys, features, keras_step)
             cached = cache.get(key)
             if cached is not None and (cached.hlo_text or not hlo_text):
                 return cached
@@ -286,8 +311,11 @@ class Compiler:
         description = (f"the engine's step for {', '.join(type(f).__name__ for f in features)}"
                        if features else "the model's train step")
         try:
-            stats = self.backend.compile_step(model, xs, ys, features, compile_context,
-                                              hlo_text, description, keras_step=keras_step)
+            prepared, self._prepared = self._prepared, None
+            stats = self.backend.compile_step(
+                model, xs, ys, features, compile_context, hlo_text, description,
+                keras_step=keras_step, meanwhile=meanwhile,
+                prepared=prepared[1] if prepared is not None and prepared[0] == key else None)
         except CompileRefused as verdict:
             stats = self._refused_stats(model, xs, ys, verdict)
         trainable = _device_bytes(model.trainable_weights, self.backend)

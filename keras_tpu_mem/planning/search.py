@@ -19,7 +19,9 @@ Each candidate is a compile (on XLA:TPU, 30 s to minutes for a large model), so 
 candidate is compiled only where no compile already decides it: one whose state
 alone exceeds the budget, or that a more aggressive candidate (more micro-batches,
 more state split) that did not fit rules out, is skipped (`search_levers`), and
-the plan says how many (`SearchNote`).
+the plan says how many (`SearchNote`). While XLA compiles a candidate on another
+thread, the search traces and lowers the one it would compile next were this one not to
+fit (`_LeverSearch._prepare_after`; the guess decides nothing).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_tpu_mem import backends, devices
+from keras_tpu_mem._utils import logger
 from keras_tpu_mem.engine.feature import in_step_order
 from keras_tpu_mem.planning.budget import (
     ActivationModel,
@@ -70,7 +73,8 @@ class CompiledStep:
         extrapolated: Whether the requested batch was beyond the cap.
     """
 
-    def __init__(self, compile_fn, features, per_replica: int, cap: int, progress=None):
+    def __init__(self, compile_fn, features, per_replica: int, cap: int, progress=None,
+                 meanwhile=None):
         self.features = tuple(features)
         self.per_replica = per_replica
         divisor = _divisor_for(self.features, per_replica)
@@ -90,13 +94,14 @@ class CompiledStep:
             batches = [low, top]
         results = []
         for batch in batches:
-            results.append(self._trusted(compile_fn, batch, cap, divisor, progress))
+            results.append(self._trusted(compile_fn, batch, cap, divisor, progress, meanwhile))
+            meanwhile = None
         self.results = results
         self.batches = tuple(r.batch_size for r in results)
         self.extrapolated = per_replica not in self.batches
 
-    def _trusted(self, compile_fn, batch, cap, divisor, progress):
-        result = compile_fn(batch, self.features, progress)
+    def _trusted(self, compile_fn, batch, cap, divisor, progress, meanwhile=None):
+        result = compile_fn(batch, self.features, progress, meanwhile)
         # XLA keeps the gradients of every trainable weight somewhere: a step
         # with none in its temporaries is not a plan (seen on JAX's CPU compile
         # at small batches). Double the batch until it holds some.
@@ -174,8 +179,9 @@ class _LeverSearch:
     """
 
     def __init__(self, compile_fn, base, per_replica, usable, data_bytes, cap, model,
-                 progress, cached):
+                 progress, cached, prepare_fn=None):
         self.compile_fn, self.base, self.model = compile_fn, base, model
+        self.prepare_fn = prepare_fn
         self.per_replica, self.usable, self.data_bytes = per_replica, usable, data_bytes
         self.cap, self.progress = cap, progress
         self.ks = divisors(per_replica)
@@ -195,6 +201,9 @@ class _LeverSearch:
         self._cached = cached if cached is not None else set()
         self.reused = 0
         self._probed = set()  # keys a micro-batch probe was compiled for
+        # Candidates prepared while another compiled, and how many were compiled next.
+        self.prepared, self.prepared_used = 0, 0
+        self._last_prepared = None
 
     # ------------------------------------------------------------- candidates
     def combo(self, ci):
@@ -253,16 +262,25 @@ class _LeverSearch:
             self._compile(key)
         return self.results[key][1]
 
-    def _compile(self, key):
+    def _candidate(self, key):
+        """`(features, mode, distribution, target, bf16)` of the candidate `key`."""
         ki, mi, ci = key
-        k = self.ks[ki]
         mode, distribution = self.modes[mi]
         target, bf16 = self.combo(ci)
         layers = None if target is None else target.layers
-        features = self.base + lever_callbacks(k, bf16, target is not None, layers)
+        features = self.base + lever_callbacks(self.ks[ki], bf16, target is not None, layers)
+        return features, mode, distribution, target, bf16
+
+    def _compile(self, key, meanwhile=None):
+        ki, mi, ci = key
+        k = self.ks[ki]
+        features, mode, distribution, target, bf16 = self._candidate(key)
+        layers = None if target is None else target.layers
+        if key == self._last_prepared:
+            self.prepared_used += 1
         with compiling_under(self.model, distribution, self.active):
             step = CompiledStep(self.compile_fn, features, self.per_replica, self.cap,
-                                self.progress)
+                                self.progress, meanwhile)
         # The Compiler caches by the step's features and layouts: a candidate whose
         # step was compiled before (the plan's own, an earlier plan's) costs nothing.
         if all(_compile_id(r) in self._cached for r in step.results):
@@ -287,16 +305,51 @@ class _LeverSearch:
         # The first candidate is the plan's own step where the plan was given no lever
         # (the Compiler's cache holds it), and the remat lever reads its table.
         self.step((0, 0, 0))
-        answer = None
+        while True:
+            key, answer = self._next()
+            if key is None:
+                break
+            self._compile(key, meanwhile=lambda key=key: self._prepare_after(key))
+        return answer, self._counts(answer), self._contradiction()
+
+    def _next(self):
+        """`(the candidate to compile next, None)`, or `(None, the answer)` once the
+        candidates are decided in order up to the first that fits (None: none does)."""
         for key in self._order():
             verdict = self.known(key)
-            while verdict is None:
-                self._compile(self.probe(key))
-                verdict = self.known(key)
+            if verdict is None:
+                return self.probe(key), None
             if verdict:
-                answer = key
-                break
-        return answer, self._counts(answer), self._contradiction()
+                return None, key
+        return None, None
+
+    def _prepare_after(self, key):
+        """Prepares (traces and lowers: `Compiler.prepare`) the candidate the search
+        would compile after `key` were `key` not to fit by far, while XLA compiles `key`
+        on another thread: most of a search's compiles do not fit, and where the guess
+        is right the next compile starts from its lowering. A wrong guess costs only the
+        time this thread would have waited; nothing is decided from it."""
+        if self.prepare_fn is None or self.per_replica > self.cap:
+            return  # (beyond the cap the step compiles at other batches)
+        saved = (dict(self.results), {c: list(v) for c, v in self._by_combo.items()},
+                 set(self._probed))
+        try:
+            self.results[key] = (_NOT_FITTING, None)
+            self._by_combo.setdefault(key[2], []).append(key[:2])
+            guess, _ = self._next()
+        finally:
+            self.results, self._by_combo, self._probed = saved
+        if guess is None or guess in self.results:
+            return
+        features, _, distribution, _, _ = self._candidate(guess)
+        try:
+            with compiling_under(self.model, distribution, self.active):
+                self.prepare_fn(self.per_replica, features)
+        except Exception:  # the compile of `guess`, if it comes, raises it as its own
+            logger.debug("plan search: preparing %s failed", guess, exc_info=True)
+            return
+        self.prepared += 1
+        self._last_prepared = guess
 
     def probe(self, key):
         """The candidate to compile next for an undecided `key`.
@@ -409,6 +462,10 @@ class _LeverSearch:
 
 _END = object()
 
+#: What `_LeverSearch._prepare_after` assumes a compile in progress will say: far from
+#: fitting.
+_NOT_FITTING = Recommendation(1, 1, 2**62)
+
 #: Copies of the batch the micro-batch loop may hold beyond one micro-batch's (the batch
 #: split into micro-batches, and cast to the compute precision).
 _BATCH_COPIES = 2
@@ -440,7 +497,8 @@ def _cache_size(compiler):
 
 
 def search_levers(compile_fn, base_features, per_replica: int, usable: int, data_bytes: int,
-                  cap: int, model, progress=None, notes=None, cached=None) -> SearchOutcome:
+                  cap: int, model, progress=None, notes=None, cached=None,
+                  prepare=None) -> SearchOutcome:
     """The cheapest candidate that fits, compiling a candidate only where no compile
     already decides it.
 
@@ -482,7 +540,14 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
     next split up, then the candidate itself. Compiles that contradict the rules at the
     budget are said in a note.
 
+    While XLA compiles a candidate (on another thread, where the backend can: JAX), the
+    search prepares the one it would compile next were that one not to fit
+    (`prepare`, e.g. `Compiler.prepare`: the trace and lowering), so that a search of
+    host compiles costs little more than XLA's compiles; the guess decides nothing.
+
     Args:
+        compile_fn: `(per_replica, features, progress, meanwhile) -> CompiledMemory`.
+        prepare: `(per_replica, features) -> None`, or None: nothing prepared.
         cached: A set `compile_fn` adds the `_compile_id` of each result the Compiler's
             cache answered to (`_cache_size`): a candidate all of whose results are in
             it is counted as reused. None: none is.
@@ -493,7 +558,7 @@ def search_levers(compile_fn, base_features, per_replica: int, usable: int, data
     """
     base = [f for f in base_features if f.name not in _LEVER_NAMES]
     search = _LeverSearch(compile_fn, base, per_replica, usable, data_bytes, cap, model,
-                          progress, cached)
+                          progress, cached, prepare)
     extra = []
     try:
         answer, note, contradiction = search.run()
@@ -515,12 +580,12 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
     """A `MemoryPlan` from compiles of the engine's step for `features`."""
     calls, cached = [0], set()
 
-    def compile_fn(batch, feats, progress_fn):
+    def compile_fn(batch, feats, progress_fn, meanwhile=None):
         if progress_fn is not None:
             progress_fn(calls[0], None, batch)
         calls[0] += 1
         before = _cache_size(compiler)
-        result = compiler(batch, feats, False)
+        result = compiler(batch, feats, False, meanwhile=meanwhile)
         if before is not None and _cache_size(compiler) == before:
             cached.add(_compile_id(result))
         return result
@@ -550,7 +615,8 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
     candidates, recommendation, recommended, search_notes = (), None, None, []
     if search:
         outcome = search_levers(compile_fn, features, per_replica, usable, data_bytes, cap,
-                                user_model, progress, search_notes, cached=cached)
+                                user_model, progress, search_notes, cached=cached,
+                                prepare=compiler.prepare)
         candidates, recommendation = outcome.candidates, outcome.recommendation
         recommended = outcome.reference
         search_notes += [outcome.note, *outcome.notes]

@@ -18,6 +18,7 @@ Contract: `keras_tpu_mem.backends.contracts.Compiled`; here `unit()` is `"device
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import tempfile
@@ -216,17 +217,22 @@ def _module_name(compiled) -> str:
         return ""
 
 
-def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
-                 description: str, dump: bool = False, keras_step: bool | None = None) -> dict:
-    """Lowers and compiles the step for the batch specs and reads `memory_analysis()`.
+class _PreparedStep:
+    """A step traced and lowered for one compile (`prepare_step`): what `compile_step`
+    would do first, done ahead so that it overlaps another step's XLA compile."""
 
-    With `dump`, XLA also writes the optimized module, its buffer assignment and live
-    ranges (`_compat.jax.compile_with_dump`), returned as `stats["dump"]` (a dict of
-    their texts, keys `hlo`, `buffers`, `live`) for `compiled_layers`. Without
-    features and with state split over the batch axis, `keras_step` picks the step: None
-    (what `fit` runs: Keras' own on a TPU mesh, the engine's `shard_map` step elsewhere,
-    `partitioner_shards_state`), True (Keras' own, left to XLA's SPMD partitioner) or False
-    (the engine's)."""
+    def __init__(self, lowered, platform: str, devices: int, error=None):
+        self.lowered, self.platform, self.devices = lowered, platform, devices
+        self.error = error  # the lowering's exception, raised as the compile's
+
+
+def prepare_step(model, xs, ys, features, compile_context,
+                 keras_step: bool | None = None) -> _PreparedStep:
+    """Traces and lowers the step `compile_step(model, xs, ys, features, ...)` compiles,
+    under the active distribution (and `compile_context`), without compiling it: pass
+    it on as `compile_step(..., prepared=)`. Tracing holds Python; XLA's compile does
+    not, so the plan search prepares its likely next candidate while XLA compiles the
+    current one (`compile_step(..., meanwhile=)`)."""
     distribution = _distribution()
     state = _state_structs(model, distribution)
     batch = _batch_structs(distribution, xs, ys)
@@ -256,17 +262,68 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
         jitted = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
         platform, devices = _platform_and_devices(distribution)
         try:
-            if dump:
-                compiled, texts = _compile_dumped(jitted.lower(state, batch), platform)
-            else:
-                compiled = jax_compat.compile_for_memory(jitted.lower(state, batch), platform)
-                texts = None
+            return _PreparedStep(jitted.lower(state, batch), platform, devices)
         except Exception as err:
-            first = str(err).splitlines()[0] if str(err) else ""
-            if is_out_of_memory(err):
-                raise CompileRefused(" ".join(str(err).split()), platform, devices) from err
-            raise RuntimeError(f"XLA could not compile {description} on JAX "
-                               f"({type(err).__name__}: {first}).") from err
+            return _PreparedStep(None, platform, devices, err)
+
+
+#: One thread for XLA's compiles while the caller goes on (`compile_step(meanwhile=)`):
+#: XLA compiles without holding Python's lock.
+_COMPILER_THREAD = None
+
+
+def _compile_in_background(prepared: _PreparedStep, meanwhile):
+    """`compile_for_memory` of `prepared` on the compiler thread while `meanwhile()`
+    runs here; `(compiled, None)` or `(None, the compile's exception)`."""
+    global _COMPILER_THREAD
+    if _COMPILER_THREAD is None:
+        _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="ktm-xla-compile")
+    future = _COMPILER_THREAD.submit(jax_compat.compile_for_memory, prepared.lowered,
+                                     prepared.platform)
+    try:
+        meanwhile()
+    finally:
+        # The compile's outcome, once it ends, whatever `meanwhile` did.
+        error = future.exception()
+    return (None, error) if error is not None else (future.result(), None)
+
+
+def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
+                 description: str, dump: bool = False, keras_step: bool | None = None,
+                 prepared: _PreparedStep | None = None, meanwhile=None) -> dict:
+    """Lowers and compiles the step for the batch specs and reads `memory_analysis()`.
+
+    With `dump`, XLA also writes the optimized module, its buffer assignment and live
+    ranges (`_compat.jax.compile_with_dump`), returned as `stats["dump"]` (a dict of
+    their texts, keys `hlo`, `buffers`, `live`) for `compiled_layers`. Without
+    features and with state split over the batch axis, `keras_step` picks the step: None
+    (what `fit` runs: Keras' own on a TPU mesh, the engine's `shard_map` step elsewhere,
+    `partitioner_shards_state`), True (Keras' own, left to XLA's SPMD partitioner) or False
+    (the engine's). `prepared`: this step as `prepare_step` lowered it (not lowered
+    again). `meanwhile`: a function run on this thread while XLA compiles on another
+    (not with `dump`)."""
+    if prepared is None:
+        prepared = prepare_step(model, xs, ys, features, compile_context, keras_step)
+    platform, devices = prepared.platform, prepared.devices
+    compiled = texts = None
+    error = prepared.error
+    if error is None and meanwhile is not None and not dump:
+        compiled, error = _compile_in_background(prepared, meanwhile)
+    elif error is None:
+        try:
+            if dump:
+                compiled, texts = _compile_dumped(prepared.lowered, platform)
+            else:
+                compiled = jax_compat.compile_for_memory(prepared.lowered, platform)
+        except Exception as err:
+            error = err
+    if error is not None:
+        first = str(error).splitlines()[0] if str(error) else ""
+        if is_out_of_memory(error):
+            raise CompileRefused(" ".join(str(error).split()), platform, devices) from error
+        raise RuntimeError(f"XLA could not compile {description} on JAX "
+                           f"({type(error).__name__}: {first}).") from error
     stats = jax_compat.memory_analysis(compiled)
     return dict(
         argument=int(stats.argument_size_in_bytes),

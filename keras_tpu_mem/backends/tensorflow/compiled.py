@@ -205,9 +205,19 @@ def compile_scope():
     return contextlib.nullcontext
 
 
+def prepare_step(model, xs, ys, features, compile_context, keras_step: bool | None = None):
+    """Nothing to do ahead of `compile_step`: TensorFlow traces and compiles the step
+    in one call (`experimental_get_compiler_ir`), holding Python throughout."""
+    return None
+
+
 def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
-                 description: str, dump: bool = False, keras_step: bool | None = None) -> dict:
+                 description: str, dump: bool = False, keras_step: bool | None = None,
+                 prepared=None, meanwhile=None) -> dict:
     """Compiles one train step with XLA and reads its buffer assignment.
+
+    `prepared` is `prepare_step`'s None; `meanwhile` is not called (nothing here
+    compiles without holding Python, so there is nothing to overlap it with).
 
     Without features this is Keras' own `train_step`. With features it is the
     engine's per-replica step (`backends.tensorflow.trainer.Step._replica_step`) with those
