@@ -19,14 +19,14 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers_jax import (
+from helpers import (
     RecordingDense,
     collectives_in_loop_bodies,
     compiled_text,
     count_opcode,
     make_distribution,
     max_abs_diff,
-    mlp,
+    mesh_mlp,
     scope,
     sparse_ce,
     toy_data,
@@ -51,9 +51,9 @@ def _optimizer(kind):
 
 def _fit(case, kind, callbacks, steps_per_execution=1, data=None, epochs=1):
     distribution = make_distribution(case)
-    x, y = data if data is not None else toy_data(UPDATES * GLOBAL_BATCH)
+    x, y = data if data is not None else toy_data(UPDATES * GLOBAL_BATCH, classes=8)
     with scope(distribution):
-        model = mlp()
+        model = mesh_mlp()
         model.compile(optimizer=_optimizer(kind), loss=sparse_ce(), metrics=["accuracy"],
                       steps_per_execution=steps_per_execution)
         # Builds metrics and optimizer outside the recorded trace (fit's own
@@ -102,9 +102,9 @@ def test_model_parallel_kernels_stay_sharded():
 
 def test_data_parallel_step_has_no_all_reduce_inside_the_micro_batch_loop():
     distribution = make_distribution("dp8")
-    x, y = toy_data(GLOBAL_BATCH)
+    x, y = toy_data(GLOBAL_BATCH, classes=8)
     with distribution.scope():
-        model = mlp()
+        model = mesh_mlp()
         model.compile(optimizer="adam", loss=sparse_ce(), metrics=["accuracy"])
         model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0,
                   callbacks=[GradientAccumulation(STEPS)])
@@ -137,7 +137,7 @@ def test_the_hlo_check_sees_an_all_reduce_inside_a_loop():
 
 
 def test_backup_and_restore_resumes_to_the_uninterrupted_weights(tmp_path):
-    data = toy_data(UPDATES * GLOBAL_BATCH)
+    data = toy_data(UPDATES * GLOBAL_BATCH, classes=8)
     reference, _, _ = _fit("dp8", "adam", [GradientAccumulation(STEPS)], data=data, epochs=4)
 
     class Interrupt(keras.callbacks.Callback):
@@ -149,7 +149,7 @@ def test_backup_and_restore_resumes_to_the_uninterrupted_weights(tmp_path):
     x, y = data
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     with distribution.scope():
-        model = mlp()
+        model = mesh_mlp()
         model.compile(optimizer=_optimizer("adam"), loss=sparse_ce(), metrics=["accuracy"])
         with pytest.raises(RuntimeError, match="preempted"):
             model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=4, shuffle=False, verbose=0,
@@ -168,9 +168,9 @@ def test_micro_batch_size_gives_the_same_split():
 
 
 def test_indivisible_per_replica_batch_is_refused_naming_the_numbers():
-    x, y = toy_data(80)
+    x, y = toy_data(80, classes=8)
     with make_distribution("dp8").scope():
-        model = mlp()
+        model = mesh_mlp()
         model.compile(optimizer="adam", loss=sparse_ce())
         with pytest.raises(ValueError, match=r"per-replica batch of 5 \(global batch 40 over 8"):
             model.fit(x, y, batch_size=40, epochs=1, verbose=0,
@@ -181,12 +181,12 @@ def test_indivisible_per_replica_batch_is_refused_naming_the_numbers():
 def test_model_parallel_with_a_layer_output_layout():
     # A LayoutMap entry for a layer's output (Keras constrains the output to
     # it) naming the batch axis, which is manual inside the shard_map.
-    x, y = toy_data()
+    x, y = toy_data(classes=8)
     weights = []
     for callbacks in ([], [GradientAccumulation(STEPS)]):
         distribution = make_distribution("mp2x4", {".*dense_in/output": ("batch", "model")})
         with distribution.scope():
-            model = mlp()
+            model = mesh_mlp()
             model.compile(optimizer="adam", loss=sparse_ce())
             model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0,
                       callbacks=callbacks)
@@ -206,10 +206,10 @@ def _adam():
 def _fit_micro(case, *, spe=1, steps=STEPS, data=None, batch_size=MICRO, callbacks=(),
                mode="micro_batches", metrics=("accuracy",)):
     """A fit with GradientAccumulation(steps, dataset_yields=mode) (None: a plain fit)."""
-    x, y = data if data is not None else toy_data(UPDATES * GLOBAL_BATCH)
+    x, y = data if data is not None else toy_data(UPDATES * GLOBAL_BATCH, classes=8)
     distribution = make_distribution(case)
     with scope(distribution):
-        model = mlp()
+        model = mesh_mlp()
         model.compile(optimizer=_adam(), loss=sparse_ce(), metrics=list(metrics),
                       steps_per_execution=spe)
         model.evaluate(x[:batch_size], y[:batch_size], batch_size=batch_size, verbose=0)
@@ -253,12 +253,12 @@ def test_micro_batches_run_eagerly_match_full_batch():
     Two updates (8 eager micro-batch steps over 8 devices, not 20): a second window
     still follows an applied one, so an accumulator the first left behind would show."""
     updates = 2
-    data = toy_data(updates * GLOBAL_BATCH)
+    data = toy_data(updates * GLOBAL_BATCH, classes=8)
     x, y = data
     reference, _, _ = _fit_micro("dp8", mode=None, batch_size=GLOBAL_BATCH, data=data)
     assert int(reference.optimizer.iterations) == updates
     with make_distribution("dp8").scope():
-        model = mlp()
+        model = mesh_mlp()
         model.compile(optimizer=_adam(), loss=sparse_ce(), run_eagerly=True)
         model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0,
                   callbacks=[GradientAccumulation(STEPS, dataset_yields="micro_batches")])
@@ -274,7 +274,7 @@ def test_micro_batches_run_eagerly_match_full_batch():
 def test_micro_batches_window_of_an_interrupted_fit_does_not_leak():
     """A fit stopped 2 micro-batches into a window leaves nothing behind: the next
     fit equals a plain full-batch fit from the same (unchanged) weights."""
-    data = toy_data(UPDATES * GLOBAL_BATCH)
+    data = toy_data(UPDATES * GLOBAL_BATCH, classes=8)
     reference, _, _ = _fit_micro("dp8", mode=None, batch_size=GLOBAL_BATCH, data=data)
 
     class Interrupt(keras.callbacks.Callback):
@@ -284,7 +284,7 @@ def test_micro_batches_window_of_an_interrupted_fit_does_not_leak():
 
     x, y = data
     with make_distribution("dp8").scope():
-        model = mlp()
+        model = mesh_mlp()
         model.compile(optimizer=_adam(), loss=sparse_ce())
         accumulate = GradientAccumulation(STEPS, dataset_yields="micro_batches")
         with pytest.raises(RuntimeError, match="preempted"):
@@ -310,9 +310,9 @@ def _all_reduce_shapes(text):
 
 
 def test_micro_batches_data_parallel_reduce_gradients_only_in_the_applying_step():
-    x, y = toy_data(GLOBAL_BATCH)
+    x, y = toy_data(GLOBAL_BATCH, classes=8)
     with make_distribution("dp8").scope():
-        model = mlp()
+        model = mesh_mlp()
         model.compile(optimizer="adam", loss=sparse_ce(), metrics=["accuracy"])
         model.fit(x, y, batch_size=MICRO, verbose=0,
                   callbacks=[GradientAccumulation(STEPS, dataset_yields="micro_batches")])

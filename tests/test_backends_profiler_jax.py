@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from helpers_jax import make_distribution, scope
+from helpers import make_distribution, scope
 from profiling_models import capture_twice, small_model
 
 from keras_tpu_mem import backends, devices

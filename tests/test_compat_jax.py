@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
-from helpers_jax import make_distribution, mlp, scope, sparse_ce, toy_data
+from helpers import make_distribution, mesh_mlp, scope, sparse_ce, toy_data
 from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
@@ -17,7 +17,7 @@ from keras_tpu_mem._compat import keras as keras_compat
 
 def _compiled(distribution=None):
     with scope(distribution):
-        model = mlp()
+        model = mesh_mlp()
         model.compile(optimizer="adam", loss=sparse_ce(), metrics=["accuracy"])
         model.optimizer.build(model.trainable_variables)
     return model
@@ -52,7 +52,7 @@ def test_state_sharding_spec():
 
 
 def test_losses_override():
-    model = mlp()
+    model = mesh_mlp()
     assert model.losses == []
     with jax_compat.losses_override(model, [jnp.float32(2.0)]):
         assert [float(v) for v in model.losses] == [2.0]
@@ -93,7 +93,7 @@ def test_state_sync_name_is_the_method_fit_and_callbacks_call():
 
     original = getattr(type(model), name)
     object.__setattr__(model, name, lambda: calls.append(1) or original(model))
-    x, y = toy_data(16)
+    x, y = toy_data(16, classes=8)
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Reader()])
     assert len(calls) >= 2  # one per callback read, and fit's own at the epoch's end
 
@@ -109,7 +109,7 @@ def test_jax_state():
 
 
 def test_distribute_data():
-    x, y = toy_data(32)
+    x, y = toy_data(32, classes=8)
     with make_distribution("dp8").scope():
         placed_x, placed_y = jax_compat.distribute_data((x, y))
     assert placed_x.sharding.spec == PartitionSpec("batch", None)

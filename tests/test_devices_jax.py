@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 import monitoring_cases as cases
-from helpers_jax import make_distribution
+from helpers import make_distribution
 
 from keras_tpu_mem import devices
 

@@ -15,7 +15,7 @@ from keras_tpu_mem.distillation import cache_teacher_logits, prepare_student
 
 # ------------------------------------------------- the JAX engine (issue 15 B)
 def _fit_models(distribution, seed):
-    from helpers_jax import scope
+    from helpers import scope
 
     keras.utils.set_random_seed(seed)
     with scope(distribution):
@@ -33,13 +33,13 @@ def _fit_models(distribution, seed):
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX engine")
 @pytest.mark.parametrize("case", ["dp8", "mp2x4"])
 def test_jax_alpha_one_logged_loss_is_the_float64_kl(case):
-    from helpers_jax import make_distribution, scope, toy_data
+    from helpers import make_distribution, scope, toy_data
 
     from keras_tpu_mem import Distillation
 
     distribution = make_distribution(case)
     student, teacher = _fit_models(distribution, seed=3)
-    x, y = toy_data(32)
+    x, y = toy_data(32, classes=8)
     s_logits = np.asarray(student.predict(x, batch_size=32, verbose=0), np.float64)
     t_logits = np.asarray(teacher.predict(x, batch_size=32, verbose=0), np.float64)
     temperature = 3.0
@@ -53,12 +53,12 @@ def test_jax_alpha_one_logged_loss_is_the_float64_kl(case):
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX engine")
 def test_jax_cached_logits_give_the_live_teacher_weights():
-    from helpers_jax import make_distribution, max_abs_diff, scope, toy_data
+    from helpers import make_distribution, max_abs_diff, scope, toy_data
 
     from keras_tpu_mem import Distillation
 
     distribution = make_distribution("dp8")
-    x, y = toy_data(128)
+    x, y = toy_data(128, classes=8)
     weights = []
     for cached in (False, True):
         student, teacher = _fit_models(distribution, seed=5)

@@ -9,13 +9,13 @@ import itertools
 import keras
 import numpy as np
 import pytest
-from helpers_jax import (
+from helpers import (
     RecordingDense,
     compiled_function_names,
     compiled_text,
     make_distribution,
     max_abs_diff,
-    mlp,
+    mesh_mlp,
     scope,
     sparse_ce,
     toy_data,
@@ -62,7 +62,7 @@ def _compiled(model, **kwargs):
 def test_engine_builds_the_jax_step_and_counts_data_parallel_shards(case):
     distribution = make_distribution(case)
     with scope(distribution):
-        model = _compiled(mlp())
+        model = _compiled(mesh_mlp())
         step = Engine.attach(model).backend_step
         assert isinstance(step, Step)
         assert step.num_replicas() == {"none": 1, "dp8": 8, "mp2x4": 2}[case]
@@ -76,12 +76,12 @@ def test_loss_term_equals_the_same_term_as_a_keras_regularizer(case, accumulate)
     # Independent reference: Keras' own step with kernel_regularizer=L2(0.1) on
     # the first layer adds exactly 0.1 * sum(kernel**2) to the loss. The term
     # reads the kernel, a Keras variable: it must see the step's traced value.
-    x, y = toy_data()
+    x, y = toy_data(classes=8)
     distribution = make_distribution(case)
     with scope(distribution):
-        reference = _compiled(mlp(kernel_regularizer=keras.regularizers.L2(L2)))
+        reference = _compiled(mesh_mlp(kernel_regularizer=keras.regularizers.L2(L2)))
         reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-        ours = _compiled(mlp())
+        ours = _compiled(mesh_mlp())
         callbacks = [KernelPenalty()] + ([GradientAccumulation(4)] if accumulate else [])
         history = ours.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
                            callbacks=callbacks)
@@ -92,8 +92,8 @@ def test_loss_term_equals_the_same_term_as_a_keras_regularizer(case, accumulate)
 def test_every_feature_runs_on_jax():
     # Features no longer name their backends: one that declares nothing joins
     # the JAX step like any other (the step is the engine's, not Keras' own).
-    model = _compiled(mlp())
-    history = model.fit(*toy_data(32), batch_size=32, epochs=1, verbose=0,
+    model = _compiled(mesh_mlp())
+    history = model.fit(*toy_data(32, classes=8), batch_size=32, epochs=1, verbose=0,
                         callbacks=[NoHooks()])
     assert np.isfinite(history.history["loss"][0])
     assert Engine.attach(model).num_builds == 1
@@ -111,12 +111,12 @@ class HalveFirstKernel(EngineCallback):
 
 @pytest.mark.parametrize("distribution_name", [None, "dp8"])
 def test_after_update_hook_assignments_become_the_new_state(distribution_name):
-    x, y = toy_data(64)
+    x, y = toy_data(64, classes=8)
     distribution = make_distribution(distribution_name) if distribution_name else None
 
     def fit(callbacks):
         with scope(distribution):
-            model = _compiled(mlp(), steps_per_execution=2)
+            model = _compiled(mesh_mlp(), steps_per_execution=2)
             model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
                       callbacks=callbacks)
         return model
@@ -125,7 +125,7 @@ def test_after_update_hook_assignments_become_the_new_state(distribution_name):
     assert int(hooked.optimizer.iterations.numpy()) == 2
     # Reference: the same two updates by hand, each followed by halving the kernel.
     with scope(distribution):
-        reference = _compiled(mlp())
+        reference = _compiled(mesh_mlp())
     for start in (0, 32):
         reference.train_on_batch(x[start:start + 32], y[start:start + 32])
         kernel = reference.layers[0].kernel
@@ -143,10 +143,10 @@ class HalveWithUpdateVariable(EngineCallback):
 
 
 def test_update_variable_assigns_in_the_jax_step_as_a_direct_assign():
-    x, y = toy_data(64)
+    x, y = toy_data(64, classes=8)
     models = []
     for hook in (HalveFirstKernel(), HalveWithUpdateVariable()):
-        model = _compiled(mlp(), steps_per_execution=2)
+        model = _compiled(mesh_mlp(), steps_per_execution=2)
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[hook])
         models.append(model)
     assert max_abs_diff(models[0].get_weights(), models[1].get_weights()) <= 1e-6
@@ -165,16 +165,16 @@ class _Observe(keras.callbacks.Callback):
 def test_observing_the_first_batch_consumes_no_batch(features):
     # Reading the first batch's size takes it from fit's iterator; the step
     # must still train on it: same weights and update count as without.
-    x, y = toy_data()
+    x, y = toy_data(classes=8)
     distribution = make_distribution("dp8")
     extra = [GradientAccumulation(4)] if features else []
     with distribution.scope():
-        reference = _compiled(mlp(), steps_per_execution=2)
+        reference = _compiled(mesh_mlp(), steps_per_execution=2)
         reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
                       callbacks=list(extra))
         extra = [GradientAccumulation(4)] if features else []
         observer = _Observe()
-        model = _compiled(mlp(), steps_per_execution=2)
+        model = _compiled(mesh_mlp(), steps_per_execution=2)
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
                   callbacks=[observer, *extra])
     assert observer.sizes == [32]
@@ -192,9 +192,9 @@ def test_no_batch_is_lost_when_reading_the_first_batch_size_fails(monkeypatch):
         raise RuntimeError("cannot read the batch dimension")
 
     monkeypatch.setattr(trainer, "_leading_dim", unreadable)
-    x, y = toy_data()
+    x, y = toy_data(classes=8)
     observer = _Observe()
-    model = _compiled(mlp())
+    model = _compiled(mesh_mlp())
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=[observer])
     assert observer.sizes == [None]
     assert int(model.optimizer.iterations) == 5
@@ -207,14 +207,14 @@ class _FirstBatchFails(keras.utils.PyDataset):
     def __getitem__(self, index):
         if index == 0:
             raise ValueError("batch 0 cannot be read")
-        x, y = toy_data(32)
+        x, y = toy_data(32, classes=8)
         return x, y
 
 
 def test_an_error_of_the_first_batch_is_raised_not_swallowed_by_the_observer():
     # The observer's peek takes the first batch: an error of the data itself must
     # come out of fit as it would without the observer, with no step run.
-    model = _compiled(mlp())
+    model = _compiled(mesh_mlp())
     with pytest.raises(ValueError, match="batch 0 cannot be read"):
         model.fit(_FirstBatchFails(), epochs=1, shuffle=False, verbose=0,
                   callbacks=[_Observe()])
@@ -224,24 +224,24 @@ def test_an_error_of_the_first_batch_is_raised_not_swallowed_by_the_observer():
 def test_last_call_of_an_epoch_runs_the_remainder():
     # steps_per_epoch=9 with steps_per_execution=4 on endless data: 4 + 4 + 1
     # updates per epoch (Keras' own JAX loop would run 12).
-    x, y = toy_data(32)
+    x, y = toy_data(32, classes=8)
 
     def endless():
         for _ in itertools.count():
             yield x, y
 
-    model = _compiled(mlp(), steps_per_execution=4)
+    model = _compiled(mesh_mlp(), steps_per_execution=4)
     model.fit(endless(), steps_per_epoch=9, epochs=2, verbose=0,
               callbacks=[GradientAccumulation(4)])
     assert int(model.optimizer.iterations) == 18
 
 
 def test_run_eagerly_matches_the_jitted_step():
-    x, y = toy_data()
-    jitted = _compiled(mlp())
+    x, y = toy_data(classes=8)
+    jitted = _compiled(mesh_mlp())
     jitted.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
                callbacks=[GradientAccumulation(4)])
-    eager = _compiled(mlp(), run_eagerly=True)
+    eager = _compiled(mesh_mlp(), run_eagerly=True)
     eager.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
               callbacks=[GradientAccumulation(4)])
     assert eager.train_function.jitted_step is None
@@ -263,7 +263,7 @@ def test_dropout_seed_state_under_shard_map_advances_as_without_distribution():
     # Inside shard_map every device offsets its dropout seed (so devices draw
     # different masks); the state handed back must be the plain counter, the
     # same as without any distribution: 5 updates x 4 micro-batches draws.
-    x, y = toy_data()
+    x, y = toy_data(classes=8)
     states = {}
     for case in ("none", "dp8"):
         with scope(make_distribution(case)):
@@ -281,8 +281,8 @@ def test_dropout_seed_state_under_shard_map_advances_as_without_distribution():
 def test_jitted_step_keeps_its_features_after_fit():
     # `model.train_function.jitted_step.lower(...)` after fit must lower the
     # step that ran (with micro-batching), not a step without features.
-    x, y = toy_data(32)
-    model = _compiled(mlp())
+    x, y = toy_data(32, classes=8)
+    model = _compiled(mesh_mlp())
     model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[GradientAccumulation(4)])
     RecordingDense.seen.clear()
     # A new batch size, so that JAX traces the step again (64 / 4 = 16).
@@ -301,7 +301,7 @@ def _features(name):
         return [GradientAccumulation(4)]
     if name == "bf16":
         return [MixedBFloat16()]
-    return [Distillation(mlp(seed=5, recording=False))]
+    return [Distillation(mesh_mlp(seed=5, recording=False))]
 
 
 @pytest.mark.parametrize("case", ["none", "dp8"])
@@ -315,10 +315,10 @@ def test_a_second_fit_compiles_the_step_no_second_time(case, features):
     made every output of the step committed, and the next fit compiled the
     same step again for committed arguments: a second compile per notebook.)
     """
-    x, y = toy_data(64)
+    x, y = toy_data(64, classes=8)
     distribution = make_distribution(case)
     with scope(distribution):
-        model = _compiled(mlp(recording=False))
+        model = _compiled(mesh_mlp(recording=False))
         callbacks = _features(features)
         with compiled_function_names() as names:
             for _ in range(3):
@@ -341,10 +341,10 @@ class ReadsModelWhileTraced(EngineCallback):
 def test_a_feature_reading_its_model_while_traced_loses_no_update(accumulate):
     # With run_eagerly the step is traced on every call: each trace syncs the
     # state. Reference: Keras' own eager fit.
-    x, y = toy_data()
-    reference = _compiled(mlp(), run_eagerly=True)
+    x, y = toy_data(classes=8)
+    reference = _compiled(mesh_mlp(), run_eagerly=True)
     reference.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-    model = _compiled(mlp(), run_eagerly=True)
+    model = _compiled(mesh_mlp(), run_eagerly=True)
     callbacks = [ReadsModelWhileTraced()] + ([GradientAccumulation(4)] if accumulate else [])
     model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     assert int(model.optimizer.iterations) == 5
@@ -355,7 +355,7 @@ def test_frozen_and_batch_norm_state_under_shard_map():
     # A frozen layer's weights (non-trainable, never written) come back bit for
     # bit; BatchNormalization's moving statistics (written on every device)
     # are combined into one finite replicated value that moved.
-    x, y = toy_data()
+    x, y = toy_data(classes=8)
     keras.utils.set_random_seed(4)
     with make_distribution("dp8").scope():
         frozen = keras.layers.Dense(32, name="frozen")
@@ -389,10 +389,10 @@ def test_a_failed_step_ends_the_fit_and_takes_its_features_off(case):
     (not the emptied variables of an interrupted JAX fit)."""
     from keras_tpu_mem import compiled_memory
 
-    x, y = toy_data(64)
+    x, y = toy_data(64, classes=8)
     distribution = make_distribution(case)
     with scope(distribution):
-        model = _compiled(mlp(recording=False))
+        model = _compiled(mesh_mlp(recording=False))
         with pytest.raises(RuntimeError, match="injected step failure"):
             model.fit(x, y, batch_size=32, epochs=1, verbose=0,
                       callbacks=[GradientAccumulation(4), FailsInStep()])
@@ -402,7 +402,7 @@ def test_a_failed_step_ends_the_fit_and_takes_its_features_off(case):
                                   hlo_text=False)
         assert planned.micro_batches == 2
         # The next fit is Keras' own step: the weights of a twin that never failed.
-        twin = _compiled(mlp(recording=False))
+        twin = _compiled(mesh_mlp(recording=False))
         for m in (model, twin):
             m.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
     assert max_abs_diff(model.get_weights(), twin.get_weights()) <= 1e-6

@@ -9,7 +9,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from helpers_jax import make_distribution, scope
+from helpers import make_distribution, scope
 
 from keras_tpu_mem import PolynomialDecay, Pruning
 from keras_tpu_mem.backends.jax.feature_state import quiet_steps_possible

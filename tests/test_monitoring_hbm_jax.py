@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 import monitoring_cases as cases
 import pytest
-from helpers_jax import make_distribution, scope
+from helpers import make_distribution, scope
 
 from keras_tpu_mem import backends, devices
 from keras_tpu_mem import monitoring as mon

@@ -18,7 +18,7 @@ import host_rss_workload
 import keras
 import monitoring_cases as cases
 import pytest
-from helpers_jax import make_distribution, scope
+from helpers import make_distribution, scope
 
 from keras_tpu_mem import _utils, devices
 from keras_tpu_mem import monitoring as mon

@@ -10,7 +10,7 @@ import time
 import keras
 import monitoring_cases as cases
 import pytest
-from helpers_jax import make_distribution, scope
+from helpers import make_distribution, scope
 
 from keras_tpu_mem import monitoring as mon
 

@@ -10,7 +10,7 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers_jax import collectives_in_loop_bodies
+from helpers import collectives_in_loop_bodies
 from planning_models import encoder, wide_mlp
 
 import keras_tpu_mem as ktm

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import keras
 import pytest
-from sharding_helpers import compile_adam, issue_mlp
+from helpers import compile_adam, issue_mlp
 
 from keras_tpu_mem.planning import compiled_memory, plan
 from keras_tpu_mem.planning.sharding_lever import sharding_options

@@ -145,11 +145,11 @@ def test_a_step_xla_tpu_refuses_is_does_not_fit_with_its_figures():
     ("fsdp8", "v3-8", None, {"batch": 8}),
 ])
 def test_the_slice_mesh_keeps_the_distributions_axes(case, device, mesh, axes):
-    from helpers_jax import make_distribution, mlp
+    from helpers import make_distribution, mesh_mlp
 
     distribution = make_distribution(case)
     with distribution.scope() if distribution is not None else _null():
-        model = mlp(inputs=16, hidden=32, classes=8, recording=False)
+        model = mesh_mlp(inputs=16, hidden=32, classes=8, recording=False)
         model.compile(optimizer="adam", loss="mse")
     target, _ = target_module.resolve(device, "tpu", "test", mesh)
     with distribution.scope() if distribution is not None else _null():

@@ -6,7 +6,7 @@ accumulation, keep_after_fit, resume) are test_precision_callback.py's, collecte
 from __future__ import annotations
 
 import keras
-from helpers_jax import RecordingDense, max_abs_diff
+from helpers import RecordingDense, max_abs_diff
 
 from keras_tpu_mem.precision import MixedBFloat16
 

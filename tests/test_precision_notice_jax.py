@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from helpers_jax import make_distribution
+from helpers import make_distribution
 
 from keras_tpu_mem.precision import device_notice
 

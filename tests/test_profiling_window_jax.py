@@ -11,7 +11,7 @@ import socket
 import jax
 import keras
 import pytest
-from helpers_jax import make_distribution, scope
+from helpers import make_distribution, scope
 from profiling_models import messages, random_data, small_model, xplanes
 
 from keras_tpu_mem.profiling import ProfileWindow

@@ -10,7 +10,7 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers_jax import make_distribution, scope, sparse_ce
+from helpers import make_distribution, scope, sparse_ce
 
 from keras_tpu_mem import PolynomialDecay, Pruning, strip_pruning
 from keras_tpu_mem.pruning.schedules import ConstantSparsity

@@ -15,7 +15,7 @@ import textwrap
 import keras
 import numpy as np
 import pytest
-from helpers_jax import make_distribution, scope
+from helpers import make_distribution, scope
 
 from keras_tpu_mem import cli, devices
 from keras_tpu_mem import monitoring as mon

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import psutil
 import pytest
-from helpers_jax import make_distribution, max_abs_diff, scope
+from helpers import make_distribution, max_abs_diff, scope
 
 from keras_tpu_mem import backends, shapes
 from keras_tpu_mem._compat import keras as keras_compat

@@ -6,14 +6,14 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from sharding_helpers import (
+from helpers import (
     compile_adam,
-    data,
-    fit,
+    fit_under,
     issue_mlp,
-    max_diff,
+    max_weight_diff,
     small_model,
     state_bytes,
+    toy_data,
 )
 
 from keras_tpu_mem.accumulation import GradientAccumulation
@@ -26,7 +26,7 @@ from keras_tpu_mem.sharding import ShardedDataParallel, sharded_dim
 def reference():
     """Plain DataParallel: initial weights and the weights after 5 Adam updates."""
     init = small_model().get_weights()
-    return init, fit(keras.distribution.DataParallel(), init=init)
+    return init, fit_under(keras.distribution.DataParallel(), init=init)
 
 
 def _slots(model):
@@ -94,7 +94,7 @@ def test_set_distribution_works_like_the_scope():
 
 def test_replicated_variables_are_logged_once(ktm_records):
     distribution = ShardedDataParallel()
-    fit(distribution, epochs=2)
+    fit_under(distribution, epochs=2)
     lines = [r.getMessage() for r in ktm_records if "stay replicated" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "dense_out/bias (10,)" in lines[0] and "no dimension that 8 divides" in lines[0]
@@ -127,8 +127,8 @@ def test_argument_errors_name_the_argument():
 @pytest.mark.parametrize("shard", ["all", "optimizer"])
 def test_fit_matches_data_parallel_and_state_stays_split(reference, shard):
     init, expected = reference
-    model = fit(ShardedDataParallel(shard=shard), init=init)
-    assert max_diff(model, expected) <= 1e-5
+    model = fit_under(ShardedDataParallel(shard=shard), init=init)
+    assert max_weight_diff(model, expected) <= 1e-5
     assert int(model.optimizer.iterations) == 5
     for variable in model.weights:
         dim = sharded_dim(variable)
@@ -146,21 +146,22 @@ def test_a_plain_fit_in_the_scope_runs_the_engines_sharded_step(reference):
     the model to the engine, whose step gathers weights and reduce-scatters their
     gradients (Keras' own step all-reduces whole gradients)."""
     init, expected = reference
-    model = fit(ShardedDataParallel(), init=init)
+    model = fit_under(ShardedDataParallel(), init=init)
     engine = Engine.attach(model)
-    assert engine.num_builds >= 1 and max_diff(model, expected) <= 1e-5
+    assert engine.num_builds >= 1 and max_weight_diff(model, expected) <= 1e-5
     state = tuple([v.value for v in group] for group in (
         model.trainable_variables, model.non_trainable_variables, model.optimizer.variables,
         model.metrics_variables))
     with ShardedDataParallel().scope():
-        hlo = engine.backend_step.jitted_step.lower(state, data(32)).compile().as_text()
+        batch = toy_data(32, classes=10)
+        hlo = engine.backend_step.jitted_step.lower(state, batch).compile().as_text()
     assert hlo.count(" reduce-scatter(") >= len(model.trainable_variables) - 1
 
 
 def test_steps_per_execution_matches_data_parallel(reference):
     init, expected = reference
-    model = fit(ShardedDataParallel(), init=init, steps_per_execution=4)
-    assert max_diff(model, expected) <= 1e-5
+    model = fit_under(ShardedDataParallel(), init=init, steps_per_execution=4)
+    assert max_weight_diff(model, expected) <= 1e-5
     assert sharded_dim(model.layers[0].kernel) == 1
 
 
@@ -173,8 +174,8 @@ def test_layout_map_on_a_2x4_mesh_matches_data_parallel(reference):
     layout_map[".*dense_in/bias"] = ("model",)
     # keras-hub's layout maps (e.g. GemmaBackbone.get_layout_map) name both axes.
     layout_map[".*dense_mid/kernel"] = ("model", "batch")
-    model = fit(ShardedDataParallel(layout_map=layout_map), init=init)
-    assert max_diff(model, expected) <= 1e-5
+    model = fit_under(ShardedDataParallel(layout_map=layout_map), init=init)
+    assert max_weight_diff(model, expected) <= 1e-5
     kernel, bias = model.layers[0].kernel, model.layers[0].bias
     # The user's rule kept, its free dimension split over the data axis as well.
     assert tuple(kernel.value.sharding.spec) == ("batch", "model")
@@ -193,9 +194,9 @@ def test_layout_map_on_a_2x4_mesh_matches_data_parallel(reference):
 @pytest.mark.parametrize("shard", ["all", "optimizer"])
 def test_gradient_accumulation_matches_data_parallel(reference, shard):
     init, expected = reference
-    model = fit(ShardedDataParallel(shard=shard), init=init,
+    model = fit_under(ShardedDataParallel(shard=shard), init=init,
                 callbacks=[GradientAccumulation(4)])
-    assert max_diff(model, expected) <= 1e-5
+    assert max_weight_diff(model, expected) <= 1e-5
     assert all(sharded_dim(s) is not None for s in _slots(model)
                if "dense_out_bias" not in s.name)
 
@@ -218,19 +219,19 @@ def test_per_device_compiled_state_of_the_issue_mlp():
 # ------------------------------------------------------- saving and resuming
 def test_save_and_load_in_the_scope_lays_out_the_loaded_state(tmp_path):
     distribution = ShardedDataParallel()
-    model = fit(distribution)
+    model = fit_under(distribution)
     path = str(tmp_path / "model.keras")
     model.save(path)
     with distribution.scope():
         loaded = keras.models.load_model(path)
-    assert max_diff(model, loaded) == 0.0
+    assert max_weight_diff(model, loaded) == 0.0
     assert [sharded_dim(v) for v in loaded.weights] == [sharded_dim(v) for v in model.weights]
     slots = _slots(loaded)
     assert slots and all(sharded_dim(s) is not None for s in slots
                          if "dense_out_bias" not in s.name)
     for a, b in zip(model.optimizer.variables, loaded.optimizer.variables):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    x, y = data()
+    x, y = toy_data(classes=10)
     with distribution.scope():
         loaded.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
     assert sharded_dim(loaded.layers[0].kernel) == 1
@@ -247,16 +248,16 @@ class _Interrupt(keras.callbacks.Callback):
 
 def test_backup_and_restore_resumes_exactly(tmp_path):
     init = small_model().get_weights()
-    straight = fit(ShardedDataParallel(), init=init, epochs=3)
+    straight = fit_under(ShardedDataParallel(), init=init, epochs=3)
     backup = str(tmp_path / "backup")
     distribution = ShardedDataParallel()
     with pytest.raises(RuntimeError, match="interrupted"):
-        fit(distribution, init=init, epochs=3,
+        fit_under(distribution, init=init, epochs=3,
             callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt()])
-    resumed = fit(distribution, init=init, epochs=3,
+    resumed = fit_under(distribution, init=init, epochs=3,
                   callbacks=[keras.callbacks.BackupAndRestore(backup)])
     assert int(resumed.optimizer.iterations) == 15
-    assert max_diff(resumed, straight) <= 1e-6
+    assert max_weight_diff(resumed, straight) <= 1e-6
     assert sharded_dim(resumed.layers[0].kernel) == 1
     assert all(sharded_dim(s) is not None for s in _slots(resumed)
                if "dense_out_bias" not in s.name)

@@ -63,7 +63,7 @@ def test_out_of_memory_under_data_parallel_recommends_splitting_the_state():
     """An OOM whose cure is sharding: the replicated state alone exceeds the budget,
     so the explanation's search ends at a ShardedDataParallel and says how to apply it."""
     import jax
-    from sharding_helpers import compile_adam, issue_mlp
+    from helpers import compile_adam, issue_mlp
 
     from keras_tpu_mem.engine import EngineCallback
     from keras_tpu_mem.planning import StepOutOfMemoryError, compiled_memory, set_oom_device
@@ -107,11 +107,11 @@ def test_out_of_memory_under_data_parallel_recommends_splitting_the_state():
 def test_cached_teacher_logits_train_as_under_data_parallel():
     """Distillation from cached logits (no teacher in the step) under the state split
     over 8 devices gives DataParallel's student (same logits, same initial weights)."""
-    from sharding_helpers import data, max_diff, small_model
+    from helpers import max_weight_diff, small_model, toy_data
 
     from keras_tpu_mem.distillation import cache_teacher_logits, prepare_student
 
-    x, y = data()
+    x, y = toy_data(classes=10)
     teacher = small_model(seed=3)
     cached = cache_teacher_logits(teacher, (x, y), batch_size=32)
     init = small_model().get_weights()
@@ -130,5 +130,5 @@ def test_cached_teacher_logits_train_as_under_data_parallel():
     reference = distil(keras.distribution.DataParallel())
     sharded = distil(ShardedDataParallel())
     assert int(sharded.optimizer.iterations) == 5
-    assert max_diff(sharded, reference) <= 1e-5
+    assert max_weight_diff(sharded, reference) <= 1e-5
     assert sharded_dim(sharded.layers[0].kernel) is not None
