@@ -378,8 +378,8 @@ class Pruning(EngineCallback):
         not one of our schedule's turns (a foreign schedule's are not known: False)."""
         return pruning_turn(self.schedule, update) is False
 
-    def _should_prune(self, step):
-        """`(should_prune, sparsity_fn)` for the step's `after_update`.
+    def _should_prune(self, step, ctx=None):
+        """`(should_prune, sparsity_fn)` for the step's `after_update` (`ctx`: its context).
 
         For our schedules the predicate is tfmot's, simplified with what is known
         in Python (begin_step 0, end_step -1, frequency 1 drop their tests; steps
@@ -402,10 +402,12 @@ class Pruning(EngineCallback):
             for test in tests[1:]:
                 should = ops.logical_and(should, test)
             return should, lambda: ops.cast(schedule(step)[1], "float32")
-        should, sparsity = self._schedule(step)
+        should, sparsity = self._schedule(step, ctx)
         return should, lambda: sparsity
 
-    def _schedule(self, step):
+    def _schedule(self, step, ctx=None):
+        """The schedule at `step`, as `(bool, float32)`; `ctx`: the step's context (None:
+        outside a step)."""
         should, sparsity = self.schedule(step)
         should = ops.cast(should, "bool")
         sparsity = ops.cast(sparsity, "float32")
@@ -413,7 +415,7 @@ class Pruning(EngineCallback):
             # A foreign schedule's sparsity is checked here: outside [0, 1) it keeps
             # the previous masks (and TensorFlow without XLA asserts).
             valid = ops.logical_and(ops.greater_equal(sparsity, 0.0), ops.less(sparsity, 1.0))
-            should = StepContext.outside().checked(
+            should = (ctx or StepContext.outside()).checked(
                 should, valid, "Pruning: the schedule returned a sparsity outside [0, 1):",
                 sparsity, step)
         return should, sparsity
@@ -444,12 +446,12 @@ class Pruning(EngineCallback):
         weights = self._weights
         if not ctx.quiet:  # a quiet update (`quiet_update`) keeps the masks as they are
             step = ctx.update_count()  # updates made, this one included
-            should, sparsity_fn = self._should_prune(step)
+            should, sparsity_fn = self._should_prune(step, ctx)
             ctx.assign_where(should, [w.mask for w in weights],
                              lambda: self._new_masks(sparsity_fn()))
         for w in weights:
             value = ops.convert_to_tensor(w.variable.value)
-            ctx.assign(w.variable, apply_mask(value, w.mask.value))
+            ctx.assign(w.variable, apply_mask(value, w.mask.value, ctx))
 
     # ------------------------------------------------------------ resume
     def _pruning_started(self, step: int) -> bool:

@@ -240,18 +240,19 @@ def m_by_n_mask(weights, m_by_n, axis):
     return ops.transpose(kept, inverse)
 
 
-def apply_mask(value, mask):
+def apply_mask(value, mask, ctx=None):
     """`value` with exact +0.0 where `mask` is off (False or 0), whatever it held.
 
     A bool mask selects (`where`), which XLA fuses into the optimizer's update.
     A float mask (the TensorFlow engine without XLA stores masks in the weight's
     dtype) is the step context's `masked`: TensorFlow multiplies with
     `multiply_no_nan`, about 3x faster there than its select kernel, and also
-    exact +0.0 over inf/NaN; JAX selects with `where` for both.
+    exact +0.0 over inf/NaN; JAX selects with `where` for both. `ctx`: the step's
+    context (`StepContext`) inside a step; None outside one.
     """
     if keras.backend.standardize_dtype(mask.dtype) == "bool":
         return ops.where(mask, value, ops.zeros((), value.dtype))
-    return StepContext.outside().masked(value, mask)
+    return (ctx or StepContext.outside()).masked(value, mask)
 
 
 def smallest_kept(value, mask, block_size=(1, 1), pooling="AVG"):
