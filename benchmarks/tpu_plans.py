@@ -12,7 +12,8 @@ Parts (`--parts`, default all):
              width 1024; masked-LM head, Adam, float32) at sequence 128 and 512 on
              v3-8 and v5e-8: XLA:CPU's total at the per-chip batch (one host device)
              and XLA:TPU's per-chip total at the same batch, their ratio, the largest
-             per-chip batch XLA:TPU fits (doubling until it refuses), compile seconds;
+             power-of-two per-chip batch XLA:TPU fits (from a guess, doubling or halving
+             on XLA:TPU's verdicts: `_largest_per_chip`), compile seconds;
 * `decoder`  a 7B decoder in plain Keras with Gemma 7B's dimensions (28 blocks, width
              3072, 16 heads of 256, gated feed-forward 24576, vocabulary 256000,
              untied output: about 9.3B parameters), sequence 512, global batch 8
@@ -29,7 +30,8 @@ fusion, buffer assignment, the HBM it counts available). What it does not: speed
 run, the interconnect.
 
 Run:  python benchmarks/tpu_plans.py [--parts bert,decoder,sharded] [--quick]
-                                     [--out results.json]
+                                     [--slices v3-8,v5e-8] [--bert large-512]
+                                     [--no-largest] [--out results.json]
 """
 
 from __future__ import annotations
@@ -131,6 +133,50 @@ PER_CHIP = 8
 SLICES: tuple = ()
 #: The plans' headroom in the mlp parts (`--headroom`).
 HEADROOM = 0.10
+#: `--bert`: the (size, sequence) shapes the bert part compiles (empty: the part's own).
+BERT_SHAPES: tuple = ()
+#: `--no-largest`: the bert part skips the search for the largest per-chip batch.
+LARGEST = True
+
+
+def _largest_per_chip(model, name: str, devices: int, at_per_chip) -> tuple:
+    """`(the largest power-of-two per-chip batch XLA:TPU compiles for slice `name`,
+    the compiles it took)`.
+
+    The first batch tried is a guess from the compile at `PER_CHIP` (`at_per_chip`):
+    its bytes beyond the state taken as linear in the batch, against the chip's HBM per
+    device (`ktm.tpu_slice`); then the batch doubles while XLA:TPU compiles it, or
+    halves while XLA:TPU refuses it. Only XLA:TPU's verdicts decide (the guess saves
+    compiles, each minutes for a transformer). None where even one example is refused;
+    the last power of two up to 4096.
+    """
+    import keras_tpu_mem as ktm
+
+    tpu = ktm.tpu_slice(name)
+    hbm = tpu.spec.hbm_bytes_per_chip * tpu.chips / tpu.devices
+    state = at_per_chip.state_bytes
+    per_sample = max(1.0, (at_per_chip.total_bytes - state) / PER_CHIP)
+    guess = max(1, int((hbm - state) // per_sample))
+    batch = 1 << (min(guess, 4096).bit_length() - 1)  # a power of two at or below it
+    compiles = 0
+
+    def fits(b: int) -> bool:
+        nonlocal compiles
+        if b == PER_CHIP:
+            return not at_per_chip.refused
+        compiles += 1
+        return not ktm.compiled_memory(model, b * devices, device=name,
+                                       hlo_text=False).refused
+
+    if fits(batch):
+        while batch < 4096 and fits(batch * 2):
+            batch *= 2
+        return batch, compiles
+    while batch > 1:
+        batch //= 2
+        if fits(batch):
+            return batch, compiles
+    return None, compiles
 
 
 def part_bert(quick: bool) -> list[dict]:
@@ -139,31 +185,28 @@ def part_bert(quick: bool) -> list[dict]:
     rows = []
     sizes = ("base",) if quick else ("base", "large")
     seqs = (128,) if quick else (128, 512)
+    shapes = BERT_SHAPES or tuple((size, seq) for size in sizes for seq in seqs)
     slices = SLICES or (("v5e-8",) if quick else ("v3-8", "v5e-8"))
-    for size in sizes:
-        for seq in seqs:
-            with ktm.shapes_only():
-                model = _bert(size, seq)
-            per_chip, devices = PER_CHIP, 8  # v3-8 and v5e-8 both show 8 devices
-            host, host_s = _timed(lambda m=model: ktm.compiled_memory(
-                m, PER_CHIP, hlo_text=False))
-            for name in slices:
-                tpu, tpu_s = _timed(lambda m=model, n=name: ktm.compiled_memory(
-                    m, PER_CHIP * 8, device=n, hlo_text=False))
-                largest, batch = None, per_chip
-                while not quick and batch <= 1024:
-                    memory = ktm.compiled_memory(model, batch * devices, device=name,
-                                                 hlo_text=False)
-                    if memory.refused:
-                        break
-                    largest, batch = batch, batch * 2
-                rows.append(dict(
-                    part="bert", model=f"BERT-{size}", seq=seq, slice=name,
-                    per_chip_batch=per_chip, cpu_total=host.total_bytes,
-                    tpu_total=tpu.total_bytes, ratio=tpu.total_bytes / host.total_bytes,
-                    largest_per_chip=largest, cpu_compile_s=host_s, tpu_compile_s=tpu_s,
-                    compiler=tpu.compiler, rss_gib=_rss_gib()))
-                print(rows[-1], flush=True)
+    for size, seq in shapes:
+        with ktm.shapes_only():
+            model = _bert(size, seq)
+        per_chip, devices = PER_CHIP, 8  # v3-8 and v5e-8 both show 8 devices
+        host, host_s = _timed(lambda m=model: ktm.compiled_memory(
+            m, PER_CHIP, hlo_text=False))
+        for name in slices:
+            tpu, tpu_s = _timed(lambda m=model, n=name: ktm.compiled_memory(
+                m, PER_CHIP * 8, device=n, hlo_text=False))
+            largest, largest_compiles = None, 0
+            if LARGEST and not quick:
+                largest, largest_compiles = _largest_per_chip(model, name, devices, tpu)
+            rows.append(dict(
+                part="bert", model=f"BERT-{size}", seq=seq, slice=name,
+                per_chip_batch=per_chip, cpu_total=host.total_bytes,
+                tpu_total=tpu.total_bytes, ratio=tpu.total_bytes / host.total_bytes,
+                largest_per_chip=largest, largest_compiles=largest_compiles,
+                cpu_compile_s=host_s, tpu_compile_s=tpu_s,
+                compiler=tpu.compiler, rss_gib=_rss_gib()))
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -358,10 +401,24 @@ def main(argv=None) -> int:
                         help="the plans' headroom (mlp parts; default 0.10, plan's own)")
     parser.add_argument("--slices", default="",
                         help="comma-separated slices for the bert and decoder parts")
+    parser.add_argument("--bert", default="",
+                        help="comma-separated BERT shapes for the bert part, SIZE-SEQUENCE "
+                             "(base-128, base-512, large-128, large-512; default: all four)")
+    parser.add_argument("--no-largest", action="store_true",
+                        help="bert part: skip the search for the largest per-chip batch")
     args = parser.parse_args(argv)
-    global SLICES, HEADROOM
+    global SLICES, HEADROOM, BERT_SHAPES, LARGEST
     SLICES = tuple(x.strip() for x in args.slices.split(",") if x.strip())
     HEADROOM = args.headroom
+    LARGEST = not args.no_largest
+    shapes = []
+    for item in (x.strip() for x in args.bert.split(",") if x.strip()):
+        size, _, seq = item.partition("-")
+        if size not in ("base", "large") or seq not in ("128", "512"):
+            parser.error(f"--bert: {item!r} is not one of base-128, base-512, large-128, "
+                         "large-512")
+        shapes.append((size, int(seq)))
+    BERT_SHAPES = tuple(shapes)
     rows = []
     for part in args.parts.split(","):
         rows += PARTS[part.strip()](args.quick)
