@@ -201,9 +201,6 @@ class _LeverSearch:
         self._cached = cached if cached is not None else set()
         self.reused = 0
         self._probed = set()  # keys a micro-batch probe was compiled for
-        # Candidates prepared while another compiled, and how many were compiled next.
-        self.prepared, self.prepared_used = 0, 0
-        self._last_prepared = None
 
     # ------------------------------------------------------------- candidates
     def combo(self, ci):
@@ -276,8 +273,6 @@ class _LeverSearch:
         k = self.ks[ki]
         features, mode, distribution, target, bf16 = self._candidate(key)
         layers = None if target is None else target.layers
-        if key == self._last_prepared:
-            self.prepared_used += 1
         with compiling_under(self.model, distribution, self.active):
             step = CompiledStep(self.compile_fn, features, self.per_replica, self.cap,
                                 self.progress, meanwhile)
@@ -347,9 +342,6 @@ class _LeverSearch:
                 self.prepare_fn(self.per_replica, features)
         except Exception:  # the compile of `guess`, if it comes, raises it as its own
             logger.debug("plan search: preparing %s failed", guess, exc_info=True)
-            return
-        self.prepared += 1
-        self._last_prepared = guess
 
     def probe(self, key):
         """The candidate to compile next for an undecided `key`.
