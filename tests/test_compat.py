@@ -91,6 +91,23 @@ def test_trainer_internals(digits):
     keras_compat.loss_tracker(model).update_state(loss)
 
 
+def test_set_initial_epoch_starts_the_running_fit_there():
+    """`keras_compat.set_initial_epoch` from on_train_begin: fit starts at that epoch."""
+    class StartAt2(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            keras_compat.set_initial_epoch(self.model, 2)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            epochs.append(epoch)
+
+    epochs = []
+    model = mlp()
+    model.compile(optimizer="sgd", loss=sparse_ce())
+    x, y = np.zeros((8, 16), "float32"), np.zeros(8, "int32")
+    model.fit(x, y, epochs=4, verbose=0, callbacks=[StartAt2()])
+    assert epochs == [2, 3]
+
+
 def test_model_strategy(mirrored):
     assert keras_compat.model_strategy(mlp()) is None  # made outside any strategy scope
     with mirrored.strategy.scope():

@@ -118,6 +118,17 @@ def model_strategy(model):
     return getattr(model, "_distribute_strategy", None)
 
 
+def set_initial_epoch(model, epoch: int | None) -> None:
+    """Makes the model's running `fit` start at `epoch` when set from `on_train_begin`
+    (3.12-3.16: `Trainer._initial_epoch`, which every backend's `fit` reads right after
+    `on_train_begin` as `self._initial_epoch or initial_epoch`; Keras'
+    `BackupAndRestore` sets it the same way and never clears it). None clears it."""
+    if not hasattr(model, "_initial_epoch"):
+        raise RuntimeError("This Keras has no `Trainer._initial_epoch`: a fit cannot be "
+                           "resumed mid-run. keras_tpu_mem supports Keras 3.12-3.16.")
+    model._initial_epoch = epoch
+
+
 def backend_trainer_class():
     """Keras' trainer class of the active backend, to tell whether a model overrides
     `train_step`. TensorFlow: `TensorFlowTrainer` (3.12-3.15), renamed `Trainer` in

@@ -536,7 +536,10 @@ class Trainer(Protocol):
     Step: type
     """`Step(engine)`: builds the train function for an `Engine` (`features()`,
     `num_replicas()`, `owns_step()`, `distribution_key()`,
-    `global_batch_size_of_call(args)`, `build_train_function()`)."""
+    `global_batch_size_of_call(args)`, `build_train_function()`, `skip_call(args,
+    count)`: a resumed fit's call that reads its batches and runs no step,
+    `abandon_call(args)`: a refused call's state put back into the variables,
+    `state_values(variables)`: their values as numpy arrays outside the step)."""
 
     def update_variable(self, variable, fn, *args):
         """Updates a model variable from inside the step, consistently on every replica:

@@ -13,6 +13,7 @@ from keras_tpu_mem.backends.step import MICRO_BATCH_SPLIT, StepContext
 from keras_tpu_mem.engine.core import (
     Engine,
     EngineCallback,
+    FitRefused,
     observe_first_batch,
     register_error_explainer,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "Engine",
     "EngineCallback",
     "Feature",
+    "FitRefused",
     "StepContext",
     "logger",
     "observe_first_batch",

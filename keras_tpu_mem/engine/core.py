@@ -91,6 +91,23 @@ def check_float16_replicas(model, replicas: int) -> None:
         )
 
 
+class FitRefused(ValueError):
+    """Raised by a first-batch observer (`observe_first_batch`) that refuses the fit it
+    sees: the engine puts the model's state back as it was before the call, runs
+    `undo` (if given), and lets it end the fit. Any other error of an observer is only
+    logged: observing must never break training.
+
+    Args:
+        message: What was refused and how to fix it.
+        undo: Optional callable run after the state is back (e.g. a callback's own
+            changes to the model at `on_train_begin`).
+    """
+
+    def __init__(self, message: str, undo: Callable | None = None):
+        super().__init__(message)
+        self.undo = undo
+
+
 class _FirstCallObserver:
     """Stands in for the train function until its first call, then hands it back.
 
@@ -125,8 +142,33 @@ class _FirstCallObserver:
         for fn in observers:
             try:
                 fn(size)
+            except FitRefused as refusal:
+                step.abandon_call(args)
+                if refusal.undo is not None:
+                    refusal.undo()
+                raise
             except Exception as err:
                 logger.debug("first-batch observer failed: %s", err)
+        return self.inner(*args, **kwargs)
+
+
+class _SkippingTrainFunction:
+    """Stands in for the train function of a resumed fit: a call the engine was told to
+    skip (`Engine.skip_next_call`) reads its batches from the data and runs no step;
+    every other call goes through. Only the engine creates it (`Engine.start_skipping`).
+    """
+
+    def __init__(self, engine, inner):
+        self.engine = engine
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
+
+    def __call__(self, *args, **kwargs):
+        count, self.engine._skip_count = self.engine._skip_count, 0
+        if count:
+            return self.engine.backend_step.skip_call(args, count)
         return self.inner(*args, **kwargs)
 
 
@@ -147,6 +189,7 @@ class Engine:
         self._cache = None
         self._observers: list[Callable] = []
         self._window_position = 0
+        self._skip_count = 0
         self._engaged = False
         self.num_builds = 0
         #: Global batch of the first step of the current fit with features (for
@@ -201,6 +244,47 @@ class Engine:
             # Registered after the train function was made (on_train_begin):
             # watch the one this fit will call.
             self.model.train_function = _FirstCallObserver(self, current)
+
+    # ------------------------------------------------------------ resuming
+    def start_skipping(self) -> None:
+        """Lets this fit skip calls (`skip_next_call`): a run resumed mid-epoch reads the
+        epoch's first batches again, to reach its position, without training on them.
+        Call it after Keras made the train function (`on_train_begin`); it holds until
+        `stop_skipping`."""
+        model = self.model
+        current = model.__dict__.get("train_function")
+        if current is None:
+            raise RuntimeError("start_skipping() needs the fit's train function: call it "
+                               "from on_train_begin or later.")
+        holder = current if isinstance(current, _FirstCallObserver) else None
+        inner = holder.inner if holder is not None else current
+        if isinstance(inner, _SkippingTrainFunction):
+            return
+        wrapped = _SkippingTrainFunction(self, inner)
+        if holder is not None:
+            holder.inner = wrapped
+        else:
+            model.train_function = wrapped
+
+    def skip_next_call(self, count: int) -> None:
+        """The next train-function call reads `count` batches (its steps) and runs no
+        step; it returns no logs. Needs `start_skipping`."""
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"`count` must be a positive int, got {count!r}.")
+        self._skip_count = count
+
+    def stop_skipping(self) -> None:
+        """Takes the skipping wrapper of `start_skipping` off the train function."""
+        self._skip_count = 0
+        model = self.model
+        current = model.__dict__.get("train_function")
+        holder = current if isinstance(current, _FirstCallObserver) else None
+        inner = holder.inner if holder is not None else current
+        if isinstance(inner, _SkippingTrainFunction):
+            if holder is not None:
+                holder.inner = inner.inner
+            else:
+                model.train_function = inner.inner
 
     # ------------------------------------------------------- fit boundaries
     def _record_batch(self, size) -> None:

@@ -78,7 +78,7 @@ from keras_tpu_mem.backends.jax.pulled import (
     zero_accumulators,
 )
 from keras_tpu_mem.backends.jax.reducers import choose_reducer
-from keras_tpu_mem.backends.jax.train_function import multi_step_train_function
+from keras_tpu_mem.backends.jax.train_function import multi_step_train_function, restore_variables
 from keras_tpu_mem.backends.mesh import data_parallel_size
 from keras_tpu_mem.backends.step import StepContext, check_pulled_micro_batches, micro_batch_count
 from keras_tpu_mem.backends.structure import leading_dim as _leading_dim
@@ -186,6 +186,42 @@ class Step:
                            "is reported as unknown): %s", err)
             size = None
         return size, (state, itertools.chain([first], iterator), *rest)
+
+    def skip_call(self, args, count: int):
+        """Runs a call `(state, iterator)` of a resumed fit without its step: reads its
+        `count` batches (one super batch where Keras stacks a call's steps) and returns
+        `({}, state)` unchanged. The end of the data passes through as in a step."""
+        state, iterator = args[0], args[1]
+        data = next(iterator)
+        if jax_compat.super_batch_steps(self.model, data) is None:
+            for _ in range(count - 1):
+                try:
+                    next(iterator)
+                except StopIteration:  # the data ended inside this call
+                    break
+        return {}, state
+
+    @staticmethod
+    def state_values(variables) -> list:
+        """The variables' values as numpy arrays, outside the step (after Keras synced
+        its training state into them). One process's arrays only: a value spread over
+        several processes' devices is refused."""
+        values = []
+        for variable in variables:
+            value = variable.value
+            if not getattr(value, "is_fully_addressable", True):
+                raise ValueError(
+                    f"{variable.path!r} is spread over several processes' devices; reading "
+                    "the training state whole is supported in one process only (a "
+                    "multi-process checkpoint is not supported yet).")
+            values.append(np.asarray(value))
+        return values
+
+    def abandon_call(self, args) -> None:
+        """Puts a call's input state `(state, iterator)` back into the model's variables
+        (Keras' fit took their values out for its loop) when the call is refused
+        before its step runs (`engine.FitRefused`)."""
+        restore_variables(self.model, args[0])
 
     # ------------------------------------------------------- feature state
     def feature_state(self, features=None):

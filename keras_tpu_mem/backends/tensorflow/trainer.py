@@ -86,6 +86,35 @@ class Step:
         """The global batch of a train-function call `(iterator,)`, from its spec."""
         return leading_dim(getattr(args[0], "element_spec", None))
 
+    def skip_call(self, args, count: int):
+        """Runs a call `(iterator,)` of a resumed fit without its step: reads its
+        `count` batches and returns no logs. The end of the data passes through as in
+        a step (Keras ends the epoch on it)."""
+        iterator = args[0]
+        next(iterator)
+        for _ in range(count - 1):
+            try:
+                next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):  # the data ended
+                break
+        return {}
+
+    @staticmethod
+    def state_values(variables) -> list:
+        """The variables' values as numpy arrays, outside the step. A variable that
+        syncs on read (a metric's total under a strategy) reads its aggregate over
+        the replicas, which `assign` splits back among them."""
+        values = []
+        for variable in variables:
+            value = variable.value
+            if isinstance(value, tf.distribute.DistributedValues):
+                value = value.read_value()
+            values.append(keras.ops.convert_to_numpy(value))
+        return values
+
+    def abandon_call(self, args) -> None:
+        """Nothing to put back: on TensorFlow the variables hold the state throughout."""
+
     # ------------------------------------------------------------ the step
     def _forward(self, x, y, sample_weight, extras, num_micro):
         """Forward pass and loss of one (micro-)batch, inside the caller's tape."""

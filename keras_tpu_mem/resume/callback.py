@@ -1,0 +1,370 @@
+"""`ResumableCheckpoint`: a preempted `fit` resumes at the batch it reached, exactly.
+
+Keras' `BackupAndRestore(save_freq=N)` restores the weights of batch N but then
+replays the epoch from its first batch; an epoch of a real dataset is hours of a
+spot TPU. This callback saves, at optimizer-update boundaries, everything an
+uninterrupted run holds at that point (the model's variables with their random
+seed state, the optimizer's, the compiled metrics', every engine feature's
+carried state such as pruning masks) with the epoch and the batch within it. A
+restarted script restores it at `on_train_begin`, starts `fit` at that epoch and
+reads the epoch's first batches again without training on them (the engine
+skips those calls), so the run goes on from the next batch as if it had never
+stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+import keras
+
+from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem._utils import logger
+from keras_tpu_mem.engine import Engine, FitRefused, observe_first_batch
+from keras_tpu_mem.resume import store
+
+_MODEL, _OPTIMIZER, _METRICS = "model", "optimizer", "metrics"
+
+
+def _distinct(variables) -> list:
+    seen, out = set(), []
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            out.append(variable)
+    return out
+
+
+def _build_optimizer(model) -> None:
+    """Creates the optimizer's variables before they are restored: Keras builds them
+    in the first step where no strategy is set (TensorFlow's default strategy)."""
+    optimizer = model.optimizer
+    if optimizer.built:
+        return
+    strategy = keras_compat.model_strategy(model)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        optimizer.build(model.trainable_variables)
+
+
+class ResumableCheckpoint(keras.callbacks.Callback):
+    """Saves the whole training state every `every` updates; a restarted `fit` resumes
+    at the next batch, with the weights an uninterrupted run would have.
+
+    What a checkpoint holds: every variable of the model (weights, non-trainable
+    state, the random seed generators of layers such as `Dropout`), the optimizer's
+    (slots, `iterations`), the compiled metrics' (so the epoch's logs are the
+    uninterrupted run's), the state the package's feature callbacks carry in the step
+    (`Pruning`'s masks), the epoch and the batch within it. Saves fall on update
+    boundaries (never inside a `GradientAccumulation` window) every `every` updates,
+    and at each epoch's end.
+
+    On `on_train_begin` of a later `fit` with the same directory (the same script,
+    restarted after a preemption), the newest complete checkpoint is restored, `fit`
+    starts at its epoch, and the epoch's batches before its position are read and
+    skipped without a step, so the data must come in the same order at every run:
+    arrays with `shuffle=False`, or a `tf.data.Dataset` / `keras.utils.PyDataset`
+    whose order is fixed (or a pure function of the epoch). A folder left half-written
+    by a process killed mid-save is skipped for the previous complete checkpoint, with
+    a warning naming it. A restart whose steps per epoch or global batch differ from
+    the checkpoint's is refused before anything changes (the position would mean
+    other examples).
+
+    What it does not restore: other callbacks' own Python state (e.g.
+    `EarlyStopping`'s patience counter). This release writes one process's arrays
+    to a local directory (`numpy`'s format, one host); multi-host (Orbax) and
+    `gs://` directories are not supported yet.
+
+    Args:
+        directory: Local directory of the checkpoints (created if missing).
+        every: Save every this many optimizer updates (and at each epoch end).
+        keep: How many of the newest checkpoints to keep.
+        asynchronous: Write the files on a background thread: the step waits only for
+            the copy of the values off the device (and for the previous write, if it
+            has not finished). False writes before `fit` goes on.
+
+    Example:
+
+    ```python
+    import numpy as np
+    import keras
+    import keras_tpu_mem as ktm
+
+    x = np.random.rand(256, 8).astype("float32")
+    y = np.random.randint(0, 2, 256)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # Run the script again after a preemption: it resumes at the next batch.
+    model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0,
+              callbacks=[ktm.ResumableCheckpoint("/tmp/ktm_resume_example", every=4)])
+    ```
+    """
+
+    def __init__(self, directory, every: int = 100, keep: int = 2,
+                 asynchronous: bool = True):
+        super().__init__()
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"`directory` must be a path (str or os.PathLike), got "
+                            f"{type(directory).__name__}.")
+        directory = os.fspath(directory)
+        if "://" in directory:
+            raise ValueError(f"`directory` must be a local path; got {directory!r}. Remote "
+                             "directories (gs://) are not supported yet: save locally and "
+                             "copy, or mount the bucket (gcsfuse).")
+        for name, value in (("every", every), ("keep", keep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        if not isinstance(asynchronous, bool):
+            raise TypeError(f"`asynchronous` must be a bool, got {asynchronous!r}.")
+        self.directory = directory
+        self.every = every
+        self.keep = keep
+        self.asynchronous = asynchronous
+        #: The checkpoint the last `fit` resumed from (a `CheckpointInfo`), or None.
+        self.resumed_from = None
+        self._writer: threading.Thread | None = None
+        self._write_error: BaseException | None = None
+        self._resume_at: tuple[int, int] | None = None
+        self._metrics_values = None
+        self._saved_global_batch = None
+        self._undo = None
+        self._epoch = 0
+        self._begin = 0
+        self._skipping = False
+
+    def get_config(self) -> dict:
+        return {"directory": self.directory, "every": self.every, "keep": self.keep,
+                "asynchronous": self.asynchronous}
+
+    # ------------------------------------------------------------ variables
+    def _groups(self, model) -> dict[str, list]:
+        """Group name -> the variables it saves, in a fixed order (the order a script
+        that builds the same model makes them in)."""
+        groups = {_MODEL: _distinct(model.variables)}
+        seen = {id(v) for v in groups[_MODEL]}
+        optimizer = getattr(model, "optimizer", None)
+        groups[_OPTIMIZER] = [v for v in _distinct(optimizer.variables if optimizer else [])
+                              if id(v) not in seen]
+        seen.update(id(v) for v in groups[_OPTIMIZER])
+        groups[_METRICS] = [v for v in _distinct(model.metrics_variables)
+                            if id(v) not in seen]
+        seen.update(id(v) for v in groups[_METRICS])
+        for feature in Engine.attach(model).features:
+            groups[f"feature:{feature.name}"] = [v for v in _distinct(feature.step_variables())
+                                                 if id(v) not in seen]
+        return groups
+
+    def _values(self, variables) -> list:
+        values = Engine.attach(self.model).backend_step.state_values(variables)
+        return [(v.path, value) for v, value in zip(variables, values)]
+
+    # ------------------------------------------------------------ restore
+    def on_train_begin(self, logs=None):
+        self._raise_write_error()
+        model = self.model
+        self._steps = (self.params or {}).get("steps")
+        self._spe = int(getattr(model, "steps_per_execution", 1) or 1)
+        self._engine = Engine.attach(model)
+        self._resume_at = self._metrics_values = self._undo = None
+        self.resumed_from = None
+        found = store.latest_complete(self.directory)
+        if found is not None:
+            self._restore(model, *found)
+        self._update = int(keras.ops.convert_to_numpy(model.optimizer.iterations.value))
+        self._last_saved = self._update
+        self._batches = 0
+        self._global_batch = None
+        observe_first_batch(model, self._first_batch)
+
+    def _restore(self, model, info, saved):
+        saved_steps = info.meta.get("steps_per_epoch")
+        if saved_steps and self._steps and saved_steps != self._steps:
+            raise ValueError(
+                f"{info.path} was saved with {saved_steps} steps per epoch, and this fit "
+                f"has {self._steps}: its position (epoch {info.epoch}, batch {info.batch}) "
+                "would mean other examples. Resume with the global batch and data it was "
+                f"saved with, or start afresh with another `directory`.")
+        _build_optimizer(model)
+        groups = self._groups(model)
+        for name, pairs in saved.items():
+            if name == _METRICS:
+                continue  # checked where they are restored (`on_epoch_begin`)
+            variables = groups.get(name)
+            if variables is None:
+                raise ValueError(
+                    f"{info.path} holds the state of {name!r}, which this fit does not "
+                    f"have (it has {sorted(groups)}). Resume with the same callbacks.")
+            self._check_group(info, name, variables, pairs)
+        missing = [name for name, variables in groups.items()
+                   if name not in saved and name != _METRICS and variables]
+        if missing:
+            raise ValueError(f"{info.path} holds no state for {missing}: this fit has "
+                             "callbacks the saved run did not. Resume with the same ones.")
+        before = {name: self._values(groups[name]) for name in saved if name != _METRICS}
+        for name, pairs in saved.items():
+            if name == _METRICS:
+                continue  # at the resumed epoch's start, after Keras resets them
+            for variable, (_, value) in zip(groups[name], pairs):
+                variable.assign(value)
+        keras_compat.set_initial_epoch(model, info.epoch if info.epoch else None)
+
+        def undo():
+            for name, pairs in before.items():
+                for variable, (_, value) in zip(groups[name], pairs):
+                    variable.assign(value)
+            keras_compat.set_initial_epoch(model, None)
+
+        self._undo = undo
+        self._metrics_values = (info, saved.get(_METRICS, []))
+        self._saved_global_batch = info.meta.get("global_batch_size")
+        self._resume_at = (info.epoch, info.batch)
+        self.resumed_from = info
+        logger.info("ResumableCheckpoint: resuming from %s (update %d): epoch %d, batch %d.",
+                    info.path, info.update, info.epoch + 1, info.batch)
+
+    @staticmethod
+    def _check_group(info, name, variables, pairs):
+        if len(variables) != len(pairs):
+            raise ValueError(
+                f"{info.path} holds {len(pairs)} {name} variables and this fit has "
+                f"{len(variables)}: not the model/optimizer it was saved from. Build the "
+                "same model and optimizer (the same script) to resume.")
+        for variable, (path, value) in zip(variables, pairs):
+            shape = tuple(int(d) for d in variable.shape)
+            dtype = keras.backend.standardize_dtype(variable.dtype)
+            if tuple(value.shape) != shape or value.dtype.name != dtype:
+                raise ValueError(
+                    f"{info.path}: {name} variable {path!r} was saved as "
+                    f"{tuple(value.shape)} {value.dtype.name}, and this fit's "
+                    f"{variable.path!r} is {shape} {dtype}. Build the same model to resume.")
+
+    def _first_batch(self, size):
+        self._global_batch = size
+        undo, self._undo = self._undo, None
+        saved = self._saved_global_batch
+        if saved and size and saved != size:
+            raise FitRefused(
+                f"{self.resumed_from.path} was saved with a global batch of {saved}, and "
+                f"this fit's is {size}: its position would mean other examples. Resume "
+                "with the batch it was saved with, or start afresh with another "
+                "`directory`.", undo=self._end_resume_refused(undo))
+
+    def _end_resume_refused(self, undo):
+        def run():
+            if undo is not None:
+                undo()
+            self._engine.stop_skipping()
+            self._resume_at = None
+        return run
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        resume = self._resume_at
+        if resume is None or epoch != resume[0] or resume[1] == 0:
+            return
+        # Keras reset the metrics just before this: give them the epoch's first batches.
+        info, pairs = self._metrics_values
+        variables = self._groups(self.model)[_METRICS]
+        if len(variables) == len(pairs):
+            self._check_group(info, _METRICS, variables, pairs)
+            for variable, (_, value) in zip(variables, pairs):
+                variable.assign(value)
+        else:
+            # Keras builds the compiled metrics in the first step where no strategy is
+            # set (TensorFlow's default strategy): nothing to give the saved sums to.
+            logger.warning(
+                "ResumableCheckpoint: this fit's metrics are not built before its first "
+                "step, so epoch %d's logs cover only the batches after the restart (the "
+                "weights are restored all the same).", epoch + 1)
+        self._engine.start_skipping()
+        self._skipping = True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin = batch
+        if not self._skipping:
+            return
+        resume_batch = self._resume_at[1]
+        if batch >= resume_batch:
+            self._engine.stop_skipping()
+            self._skipping = False
+            self._resume_at = None
+            return
+        count = self._spe if not self._steps else min(self._spe, self._steps - batch)
+        if batch + count > resume_batch:
+            raise ValueError(
+                f"The checkpoint's position (batch {resume_batch}) falls inside a call of "
+                f"{count} steps from batch {batch}: `steps_per_execution` differs from the "
+                "run that saved it. Resume with the same `steps_per_execution`.")
+        self._engine.skip_next_call(count)
+
+    # ------------------------------------------------------------ save
+    def on_train_batch_end(self, batch, logs=None):
+        if self._skipping:
+            return
+        self._batches += batch - self._begin + 1
+        per_update = self._engine.batches_per_update()
+        updates = self._update + self._batches // per_update
+        if self._engine.pending_micro_batches():
+            return  # inside an accumulation window: never saved
+        if updates - self._last_saved < self.every:
+            return
+        if self._steps and batch + 1 >= self._steps:
+            return  # the epoch's end saves it, after the epoch's own callbacks
+        self._save(self._epoch, batch + 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._save(epoch + 1, 0)
+
+    def on_train_end(self, logs=None):
+        self._engine.stop_skipping()
+        self._skipping = False
+        if self.resumed_from is not None:
+            keras_compat.set_initial_epoch(self.model, None)
+        self._wait()
+        self._raise_write_error()
+
+    def _save(self, epoch: int, batch: int) -> None:
+        model = self.model  # on JAX the property syncs the training state into the variables
+        update = int(keras.ops.convert_to_numpy(model.optimizer.iterations.value))
+        groups = {name: self._values(variables)
+                  for name, variables in self._groups(model).items()}
+        meta = {"epoch": epoch, "batch": batch, "steps_per_epoch": self._steps,
+                "global_batch_size": self._global_batch,
+                "batches_per_update": self._engine.batches_per_update(),
+                "backend": keras.backend.backend(), "keras": keras.__version__}
+        self._last_saved = update
+        self._wait()
+        self._raise_write_error()
+        if self.asynchronous:
+            self._writer = threading.Thread(target=self._write, args=(update, groups, meta),
+                                            name="ResumableCheckpoint", daemon=True)
+            self._writer.start()
+        else:
+            self._write(update, groups, meta)
+            self._raise_write_error()
+
+    def _write(self, update, groups, meta):
+        started = time.perf_counter()
+        try:
+            path = store.write_checkpoint(self.directory, update, groups, meta)
+            store.prune(self.directory, self.keep)
+            logger.debug("ResumableCheckpoint: wrote %s in %.2f s.", path,
+                         time.perf_counter() - started)
+        except BaseException as err:  # raised on the training thread at the next save
+            self._write_error = err
+
+    def _wait(self):
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def _raise_write_error(self):
+        err, self._write_error = self._write_error, None
+        if err is not None:
+            raise RuntimeError(f"ResumableCheckpoint could not write to "
+                               f"{self.directory!r}: {err}") from err
+
+
+__all__ = ["ResumableCheckpoint"]

@@ -1,0 +1,220 @@
+"""A directory of step-level checkpoints: written whole or not at all, read back checked.
+
+Each checkpoint is one folder, `update-000000120/`, holding `state.npz` (every
+array as its raw bytes) and `checkpoint.json` (where the run was: epoch, batch,
+update; each array's group, path, shape and dtype; the SHA-256 of `state.npz`).
+A checkpoint is written into a hidden `.partial-update-…` folder and renamed
+into place once both files are on disk, so a process killed mid-save leaves a
+partial folder that no reader takes for a checkpoint; a folder whose files do
+not match their checksum (a corrupt disk, a copy cut short) is skipped for the
+previous complete one, with a warning naming it.
+
+Arrays are stored as bytes plus their dtype's name, so dtypes numpy's own
+format does not know (bfloat16) come back as they went in, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+
+from keras_tpu_mem._utils import logger
+
+#: Bumped when the layout of a checkpoint folder changes.
+FORMAT_VERSION = 1
+_PREFIX = "update-"
+_PARTIAL = ".partial-"
+_META = "checkpoint.json"
+_STATE = "state.npz"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What one checkpoint folder holds (read from its `checkpoint.json`).
+
+    Attributes:
+        path: The checkpoint's folder.
+        epoch: The epoch the run resumes in (0-based, as `fit` counts).
+        batch: The batch of that epoch the run resumes at (0: the epoch's start).
+        update: Optimizer updates applied when it was saved (`optimizer.iterations`).
+        saved_at: Seconds since the epoch (`time.time()`) when it was written.
+        size_bytes: Bytes of its arrays on disk.
+        meta: Everything else `checkpoint.json` records (steps per epoch, global batch,
+            backend, Keras version).
+    """
+
+    path: str
+    epoch: int
+    batch: int
+    update: int
+    saved_at: float
+    size_bytes: int
+    meta: dict
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint folder whose files are missing or do not match their checksum."""
+
+
+def _dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # Keras' own dependency: bfloat16, float8 kinds
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not every filesystem opens folders
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(directory: str, update: int, groups: dict[str, list], meta: dict) -> str:
+    """Writes one checkpoint and returns its folder.
+
+    Args:
+        directory: The checkpoints' directory (created if missing).
+        update: The update count; names the folder (`update-000000120`).
+        groups: Group name -> list of `(path, numpy array)` in a fixed order.
+        meta: JSON-serialisable position of the run (`epoch`, `batch` are required).
+    """
+    os.makedirs(directory, exist_ok=True)
+    name = f"{_PREFIX}{update:09d}"
+    final = os.path.join(directory, name)
+    partial = os.path.join(directory, f"{_PARTIAL}{name}")
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    arrays, entries = {}, {}
+    for group, pairs in groups.items():
+        entries[group] = []
+        for index, (path, value) in enumerate(pairs):
+            value = np.asarray(value)  # not ascontiguousarray: it makes a scalar 1-D
+            if not value.flags.c_contiguous:
+                value = value.copy(order="C")
+            key = f"{group}/{index}"
+            arrays[key] = value.reshape(-1).view(np.uint8)
+            entries[group].append({"path": path, "shape": list(value.shape),
+                                   "dtype": value.dtype.name})
+    state = os.path.join(partial, _STATE)
+    with open(state, "wb") as handle:
+        np.savez(handle, **arrays)
+        handle.flush()
+        os.fsync(handle.fileno())
+    record = dict(meta, format=FORMAT_VERSION, update=int(update), saved_at=time.time(),
+                  size_bytes=os.path.getsize(state), sha256=_sha256(state), arrays=entries)
+    with open(os.path.join(partial, _META), "w") as handle:
+        json.dump(record, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if os.path.exists(final):  # the same update saved again (a resumed run's epoch end)
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    _fsync_dir(directory)
+    return final
+
+
+def read_info(path: str) -> CheckpointInfo:
+    """The `CheckpointInfo` of one checkpoint folder, without reading its arrays.
+
+    Raises:
+        CorruptCheckpoint: `checkpoint.json` is missing or unreadable.
+    """
+    try:
+        with open(os.path.join(path, _META)) as handle:
+            meta = json.load(handle)
+        return CheckpointInfo(path=path, epoch=int(meta["epoch"]), batch=int(meta["batch"]),
+                              update=int(meta["update"]), saved_at=float(meta["saved_at"]),
+                              size_bytes=int(meta["size_bytes"]), meta=meta)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CorruptCheckpoint(f"{path}: {_META} is missing or unreadable ({err})") from err
+
+
+def read_arrays(info: CheckpointInfo) -> dict[str, list]:
+    """Group name -> list of `(path, numpy array)`, checked against the checksum.
+
+    Raises:
+        CorruptCheckpoint: `state.npz` is missing or does not match its checksum.
+    """
+    state = os.path.join(info.path, _STATE)
+    if not os.path.exists(state):
+        raise CorruptCheckpoint(f"{info.path}: {_STATE} is missing")
+    if _sha256(state) != info.meta.get("sha256"):
+        raise CorruptCheckpoint(f"{info.path}: {_STATE} does not match its SHA-256 in {_META}")
+    groups = {}
+    with np.load(state) as stored:
+        for group, entries in info.meta["arrays"].items():
+            groups[group] = [
+                (entry["path"], np.frombuffer(stored[f"{group}/{index}"].tobytes(),
+                                              dtype=_dtype(entry["dtype"]))
+                 .reshape(entry["shape"]))
+                for index, entry in enumerate(entries)]
+    return groups
+
+
+def list_checkpoints(directory: str, warn: bool = True) -> list[CheckpointInfo]:
+    """The complete checkpoints in `directory`, oldest update first.
+
+    Partial folders (a save cut short) and folders whose `checkpoint.json` cannot be
+    read are left out, each with a warning naming it when `warn`.
+    """
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.startswith(_PARTIAL):
+            if warn:
+                logger.warning("Skipping %s: a checkpoint whose save was cut short (the "
+                               "process ended mid-save).", path)
+            continue
+        if not name.startswith(_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            found.append(read_info(path))
+        except CorruptCheckpoint as err:
+            if warn:
+                logger.warning("Skipping a corrupt checkpoint: %s", err)
+    return sorted(found, key=lambda info: info.update)
+
+
+def latest_complete(directory: str) -> tuple[CheckpointInfo, dict] | None:
+    """The newest checkpoint whose arrays read back whole, with its arrays; None when
+    there is none. Each one skipped on the way is named in a warning."""
+    for info in reversed(list_checkpoints(directory)):
+        try:
+            return info, read_arrays(info)
+        except CorruptCheckpoint as err:
+            logger.warning("Skipping a corrupt checkpoint for the previous one: %s", err)
+    return None
+
+
+def prune(directory: str, keep: int) -> None:
+    """Deletes all but the `keep` newest complete checkpoints, and partial folders."""
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if name.startswith(_PARTIAL):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    for info in list_checkpoints(directory, warn=False)[:-keep]:
+        shutil.rmtree(info.path, ignore_errors=True)

@@ -1,0 +1,152 @@
+"""The run `ResumableCheckpoint`'s tests stop and resume: every training feature on.
+
+A student MLP with Dropout (random state to restore), trained with
+`GradientAccumulation(2)`, `MixedBFloat16`, `Pruning` (masks recomputed every 4
+updates) and `Distillation` from a live teacher, 10 updates per epoch, under one
+of the cases of the resume matrix: JAX `DataParallel(8)` ("dp8") or
+`ShardedDataParallel()` ("fsdp8"), TensorFlow `MirroredStrategy` over 2 logical
+CPUs ("mirrored") or the default strategy with `jit_compile=True` ("jit").
+
+Run as a script (`python tests/resume_cases.py CASE DIR OUT [--kill-at N]`), it is
+the process a preemption kills: with `--kill-at N` it SIGKILLs itself at the end
+of the N-th batch of the fit (after any save that batch made); otherwise it
+trains to the end and writes the final state to OUT (`state_arrays`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+EPOCHS, BATCH, EXAMPLES, EVERY = 3, 32, 320, 5
+JAX_CASES = ("dp8", "fsdp8")
+TENSORFLOW_CASES = ("mirrored", "jit")
+
+
+def _distribution(case):
+    if case == "dp8":
+        import jax
+        import keras
+
+        return keras.distribution.DataParallel(devices=jax.devices()[:8]).scope()
+    if case == "fsdp8":
+        import jax
+
+        from keras_tpu_mem.sharding import ShardedDataParallel
+
+        return ShardedDataParallel(devices=jax.devices()[:8]).scope()
+    if case == "mirrored":
+        from keras_tpu_mem import TPUStrategyWrapper
+
+        return TPUStrategyWrapper(logical_cpus=2).scope()
+    if case == "jit":
+        import contextlib
+
+        return contextlib.nullcontext()
+    raise ValueError(f"unknown case {case!r}")
+
+
+def _mlp(hidden, seed, dropout):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((16,)), keras.layers.Dense(hidden, activation="relu")]
+    if dropout:
+        layers.append(keras.layers.Dropout(0.2))
+    layers += [keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(8)]
+    return keras.Sequential(layers)
+
+
+def data():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(EXAMPLES, 16)).astype("float32")
+    y = (np.abs(x[:, :8]).argmax(axis=1)).astype("int32")
+    return x, y
+
+
+class StopAt:
+    """A callback ending the process (`kill=True`: SIGKILL, as a preemption does) or
+    the fit (an exception) at the end of its `at`-th batch."""
+
+    def __new__(cls, at, kill):
+        import signal
+
+        import keras
+
+        class _Stop(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.seen = 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.seen += 1
+                if self.seen == at:
+                    if kill:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    raise RuntimeError(f"preempted after {at} batches")
+
+        return _Stop()
+
+
+def train(case, directory=None, *, stop_at=None, kill=False, asynchronous=True, seed=2):
+    """Builds the student and its teacher under `case` and fits them; returns the
+    student, the callbacks (`ResumableCheckpoint` last when `directory` is given)."""
+    import keras
+
+    import keras_tpu_mem as ktm
+
+    x, y = data()
+    # tf.distribute: models are made under the strategy's scope and fit outside it;
+    # keras.distribution: fit runs under the distribution too.
+    with _distribution(case):
+        teacher = _mlp(48, seed=1, dropout=False)
+        student = _mlp(32, seed=seed, dropout=True)
+        student.compile(optimizer=keras.optimizers.Adam(1e-2),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        metrics=["accuracy"], jit_compile=case == "jit" or "auto")
+        callbacks = [ktm.GradientAccumulation(2), ktm.MixedBFloat16(),
+                     ktm.Pruning(ktm.ConstantSparsity(0.5, begin_step=3, frequency=4)),
+                     ktm.Distillation(teacher, temperature=2.0, alpha=0.5)]
+        if directory is not None:
+            callbacks.append(ktm.ResumableCheckpoint(directory, every=EVERY,
+                                                     asynchronous=asynchronous))
+        if stop_at is not None:
+            callbacks.append(StopAt(stop_at, kill))
+        if case in JAX_CASES:
+            history = student.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                                  verbose=0, callbacks=callbacks)
+    if case not in JAX_CASES:
+        history = student.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                              verbose=0, callbacks=callbacks)
+    return student, callbacks, history
+
+
+def state_arrays(model, callbacks) -> dict:
+    """Weights, optimizer variables and pruning masks as numpy arrays, by position."""
+    import keras
+
+    import keras_tpu_mem as ktm
+
+    arrays = {f"weight/{i}": keras.ops.convert_to_numpy(v.value)
+              for i, v in enumerate(model.weights)}
+    arrays.update({f"optimizer/{i}": keras.ops.convert_to_numpy(v.value)
+                   for i, v in enumerate(model.optimizer.variables)})
+    pruning = next(c for c in callbacks if isinstance(c, ktm.Pruning))
+    arrays.update({f"mask/{i}": keras.ops.convert_to_numpy(w.mask.value)
+                   for i, w in enumerate(pruning._weights)})
+    return arrays
+
+
+def main(argv):
+    import numpy as np
+
+    case, directory, out = argv[:3]
+    kill_at = int(argv[argv.index("--kill-at") + 1]) if "--kill-at" in argv else None
+    model, callbacks, _ = train(case, directory, stop_at=kill_at, kill=True)
+    np.savez(out, **state_arrays(model, callbacks))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

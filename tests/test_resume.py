@@ -1,0 +1,227 @@
+"""`ResumableCheckpoint` (issue 30): a fit stopped at any update resumes bit for bit.
+
+Each exactness test compares against a run that was never stopped and never
+checkpointed (the independent reference), with every training feature on
+(`resume_cases.py`). The in-process tests stop the fit with an exception after a
+synchronous save; the `slow` ones SIGKILL a separate process, as a preemption does,
+with the default asynchronous saves. One body per behaviour, on both backends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import resume_cases
+from resume_cases import JAX_CASES, TENSORFLOW_CASES
+
+import keras_tpu_mem as ktm
+from keras_tpu_mem.resume import store
+
+BACKEND = keras.backend.backend()
+CASES = JAX_CASES if BACKEND == "jax" else TENSORFLOW_CASES
+
+
+def _assert_bit_exact(got: dict, want: dict):
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype, key
+        diff = np.max(np.abs(got[key].astype("float64") - want[key].astype("float64")))
+        assert diff == 0.0, (key, diff)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Final state of each case's uninterrupted, uncheckpointed run (built once)."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            model, callbacks, history = resume_cases.train(case)
+            cache[case] = resume_cases.state_arrays(model, callbacks), history.history
+        return cache[case]
+
+    return get
+
+
+def _stop_then_resume(case, directory, stop_at):
+    with pytest.raises(RuntimeError, match="preempted"):
+        resume_cases.train(case, directory, stop_at=stop_at, asynchronous=False)
+    # A restarted script: the same code, other initial weights (they are restored).
+    model, callbacks, history = resume_cases.train(case, directory, seed=7)
+    return model, callbacks, history
+
+
+@pytest.mark.parametrize("case", [CASES[0]])
+def test_stopped_mid_epoch_resumes_bit_exact_with_every_feature(case, references, tmp_path):
+    """Stopped at update 17 (epoch 2, after the save at 15): the resumed run's weights,
+    optimizer slots and pruning masks equal the uninterrupted run's exactly."""
+    want, want_history = references(case)
+    model, callbacks, history = _stop_then_resume(case, str(tmp_path), stop_at=17)
+    checkpoint = callbacks[-1]
+    assert (checkpoint.resumed_from.epoch, checkpoint.resumed_from.batch) == (1, 5)
+    assert checkpoint.resumed_from.update == 15
+    _assert_bit_exact(resume_cases.state_arrays(model, callbacks), want)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations.value)) == 30
+    # The epochs after the restart log what the uninterrupted run logged (the
+    # resumed epoch's metrics start from the saved sums).
+    np.testing.assert_allclose(history.history["loss"], want_history["loss"][1:], rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_sigkill_at_a_random_update_resumes_bit_exact(case, references, tmp_path):
+    """The issue's floor: a process SIGKILLed at a random update (not an epoch end)
+    with asynchronous saves every 5 updates; the restarted process ends where the
+    uninterrupted run ended, bit for bit (weights, slots, masks)."""
+    want, _ = references(case)
+    rng = np.random.default_rng(sum(map(ord, case)))
+    kill_at = int(rng.choice([b for b in range(11, 30) if b % 10]))
+    directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "final.npz")
+    command = [sys.executable, resume_cases.__file__, case, directory, out]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    killed = subprocess.run([*command, "--kill-at", str(kill_at)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert store.list_checkpoints(directory, warn=False), "nothing was saved before the kill"
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr, resumed.stderr[-3000:]
+    with np.load(out) as got:
+        _assert_bit_exact(dict(got), want)
+
+
+def test_a_half_written_or_corrupt_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
+    directory = str(tmp_path)
+    arrays = {"model": [("w", np.arange(6, dtype="float32").reshape(2, 3))]}
+    store.write_checkpoint(directory, 5, arrays, {"epoch": 0, "batch": 5})
+    store.write_checkpoint(directory, 10, {"model": [("w", np.ones((2, 3), "float32"))]},
+                           {"epoch": 1, "batch": 0})
+    # update 15: killed mid-save (the hidden partial folder); update 10: its arrays cut short.
+    os.makedirs(tmp_path / ".partial-update-000000015")
+    with open(tmp_path / "update-000000010" / "state.npz", "r+b") as handle:
+        handle.truncate(100)
+    with caplog.at_level(logging.WARNING, logger="keras_tpu_mem"):
+        info, groups = store.latest_complete(directory)
+    assert info.update == 5 and (info.epoch, info.batch) == (0, 5)
+    np.testing.assert_array_equal(groups["model"][0][1], arrays["model"][0][1])
+    warned = caplog.text
+    assert ".partial-update-000000015" in warned and "update-000000010" in warned
+
+
+def test_arrays_come_back_with_their_dtype_and_shape(tmp_path):
+    import ml_dtypes
+
+    values = [("scalar", np.array(7, "int64")), ("bf16", np.arange(4).astype(ml_dtypes.bfloat16)),
+              ("mask", np.array([[True, False]])),
+              ("strided", np.arange(12, dtype="float32").reshape(3, 4)[:, ::2])]
+    path = store.write_checkpoint(str(tmp_path), 3, {"g": values}, {"epoch": 0, "batch": 3})
+    groups = store.read_arrays(store.read_info(path))
+    for (name, want), (got_name, got) in zip(values, groups["g"]):
+        assert got_name == name and got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    assert json.load(open(os.path.join(path, "checkpoint.json")))["update"] == 3
+
+
+def _small_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="adam", loss="mse")
+    return model
+
+
+def _xy(n=64):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 4)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
+
+
+def test_keeps_the_newest_checkpoints_and_saves_at_update_boundaries(tmp_path):
+    x, y = _xy()
+    model = _small_model()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3, keep=3)])
+    found = [(info.update, info.epoch, info.batch) for info in ktm.list_checkpoints(str(tmp_path))]
+    # Saves at updates 3, 6, the epoch end (8), 11, 14 and the epoch end (16); the
+    # newest three are kept.
+    assert found == [(11, 1, 3), (14, 1, 6), (16, 2, 0)]
+
+
+def test_a_different_global_batch_is_refused_and_the_model_left_as_it_was(tmp_path):
+    x, y = _xy()
+    _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                       callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+    model = _small_model(seed=3)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="steps per epoch"):
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+    _assert_bit_exact(dict(enumerate(model.get_weights())), dict(enumerate(before)))
+
+
+def _unknown_length(x, y, size):
+    """Batches of `size` whose count fit does not know: a generator on JAX, a filtered
+    `tf.data.Dataset` (static batch dimension, unknown cardinality) on TensorFlow."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return (tf.data.Dataset.from_tensor_slices((x, y)).batch(size, drop_remainder=True)
+                .filter(lambda *_: True))
+
+    def batches():
+        for start in range(0, len(x), size):
+            yield x[start:start + size], y[start:start + size]
+
+    return batches()
+
+
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+def test_a_different_batch_of_unknown_length_data_is_refused_at_the_first_step(tmp_path):
+    """Data whose length fit does not know: the global batch is compared at the first
+    step, before it runs, and the model is put back as it was."""
+    x, y = _xy()
+    _small_model().fit(_unknown_length(x, y, 8), epochs=1, verbose=0,
+                       callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+    model = _small_model(seed=3)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="global batch of 8, and this fit's is 16"):
+        model.fit(_unknown_length(x, y, 16), epochs=2, verbose=0,
+                  callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+    _assert_bit_exact(dict(enumerate(model.get_weights())), dict(enumerate(before)))
+    # The same model fits normally afterwards (nothing of the refused resume is left).
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert model._initial_epoch is None
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"directory": 3}, TypeError, "`directory` must be a path"),
+    ({"directory": "gs://bucket/run"}, ValueError, "must be a local path"),
+    ({"directory": "d", "every": 0}, ValueError, "`every` must be a positive int"),
+    ({"directory": "d", "keep": 1.5}, ValueError, "`keep` must be a positive int"),
+    ({"directory": "d", "asynchronous": "yes"}, TypeError, "`asynchronous` must be a bool"),
+])
+def test_bad_arguments_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ktm.ResumableCheckpoint(**kwargs)
+
+
+def test_another_model_is_refused_before_anything_changes(tmp_path):
+    x, y = _xy()
+    _small_model().fit(x, y, batch_size=8, epochs=1, verbose=0,
+                       callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+    keras.utils.set_random_seed(0)
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5),
+                              keras.layers.Dense(3)])
+    other.compile(optimizer="adam", loss="mse")
+    before = [w.copy() for w in other.get_weights()]
+    with pytest.raises(ValueError, match="Build the same model"):
+        other.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                  callbacks=[ktm.ResumableCheckpoint(str(tmp_path))])
+    _assert_bit_exact(dict(enumerate(other.get_weights())), dict(enumerate(before)))
+    assert ktm.ResumableCheckpoint(str(tmp_path), every=4).get_config() == {
+        "directory": str(tmp_path), "every": 4, "keep": 2, "asynchronous": True}
