@@ -168,6 +168,61 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def checkpoints_table(directory: str, now: float | None = None) -> str:
+    """What `keras-tpu-mem checkpoints DIR` prints: one row per complete checkpoint of a
+    `ResumableCheckpoint` directory (the one a restart resumes from marked), oldest
+    first, and a line for each folder a restart would skip."""
+    from keras_tpu_mem.resume.store import list_checkpoints
+
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} is not a directory.")
+    skipped = []
+    import logging
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            skipped.append(record.getMessage())
+
+    handler = _Collect(level=logging.WARNING)
+    log = logging.getLogger("keras_tpu_mem")
+    log.addHandler(handler)
+    try:
+        found = list_checkpoints(directory)
+    finally:
+        log.removeHandler(handler)
+    now = time.time() if now is None else now
+    lines = [f"{directory}: {len(found)} complete checkpoint(s)"]
+    if found:
+        rows = [("update", "epoch", "batch", "size", "age", "")]
+        for index, info in enumerate(found):
+            rows.append((str(info.update), str(info.epoch + 1), str(info.batch),
+                         f"{info.size_bytes / 2**20:.2f} MiB", _age(now - info.saved_at),
+                         "<- a restart resumes here" if index == len(found) - 1 else ""))
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        for row in rows:
+            lines.append("  ".join(cell.rjust(width) for cell, width in zip(row, widths))
+                         + ("  " + row[5] if row[5] else ""))
+        lines.append("(epoch counts from 1, as fit prints it; batch is where the epoch "
+                     "resumes, 0 at its start)")
+    lines += [f"skipped: {message}" for message in skipped]
+    return "\n".join(lines)
+
+
+def _checkpoints(args) -> int:
+    print(checkpoints_table(args.directory))
+    return 0
+
+
 def _batch_list(text: str) -> list[int]:
     """argparse type of --compile-batches: a usage error, before any framework loads."""
     try:
@@ -261,6 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="after the plan, print its memory by Keras layer: every row "
                            "(weights, optimizer slots, saved activations, at the peak)")
     plan.set_defaults(func=_plan)
+    checkpoints = sub.add_parser(
+        "checkpoints", help="list what a ResumableCheckpoint directory holds "
+                            "(update, epoch, batch, size, age)")
+    checkpoints.add_argument("directory", help="the directory given to ResumableCheckpoint")
+    checkpoints.set_defaults(func=_checkpoints, framework=False)
     return parser
 
 
@@ -274,10 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         return done.code if isinstance(done.code, int) else 2
     quiet = quiet_framework_env()
     try:
-        # Every command reaches Keras (report reads the monitors' log format from
-        # keras_tpu_mem.monitoring, which imports it), so load it here, once,
-        # with its start-up noise held back.
-        load_framework(quiet)
+        # Every command but `checkpoints` (JSON files) reaches Keras (report reads the
+        # monitors' log format from keras_tpu_mem.monitoring, which imports it), so
+        # load it here, once, with its start-up noise held back.
+        if getattr(args, "framework", True):
+            load_framework(quiet)
         return args.func(args)
     except (ValueError, TypeError, RuntimeError, ImportError) as err:
         print(f"keras-tpu-mem {args.command}: error: {err}", file=sys.stderr)

@@ -63,11 +63,36 @@ def test_help_prints_usage_and_imports_no_framework():
     result = _python("-X", "importtime", "-m", "keras_tpu_mem.cli", "--help")
     assert result.returncode == 0, result.stderr
     assert "usage: keras-tpu-mem" in result.stdout
-    for command in ("devices", "report", "plan"):
+    for command in ("devices", "report", "plan", "checkpoints"):
         assert command in result.stdout
     imported = _imported_modules(result.stderr)
     assert "keras_tpu_mem" in imported  # the check itself sees imports
     assert not imported & set(FRAMEWORKS), sorted(imported & set(FRAMEWORKS))
+
+
+def test_checkpoints_lists_a_directory_without_a_framework(tmp_path):
+    """`keras-tpu-mem checkpoints DIR`: one row per complete checkpoint, the one a
+    restart resumes from marked, and the folder a restart would skip named."""
+    import numpy as np
+
+    from keras_tpu_mem.resume import store
+
+    for update, epoch, batch in ((5, 0, 5), (10, 1, 0)):
+        store.write_checkpoint(str(tmp_path), update, {"model": [("w", np.zeros(4096, "f4"))]},
+                               {"epoch": epoch, "batch": batch})
+    (tmp_path / ".partial-update-000000015").mkdir()
+    result = _python("-X", "importtime", "-m", "keras_tpu_mem.cli", "checkpoints", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert rows[0][-3:] == ["2", "complete", "checkpoint(s)"]
+    assert rows[1] == ["update", "epoch", "batch", "size", "age"]
+    assert rows[2][:3] == ["5", "1", "5"] and rows[3][:3] == ["10", "2", "0"]
+    assert "resumes here" in result.stdout.splitlines()[3]
+    assert "skipped:" in result.stdout and ".partial-update-000000015" in result.stdout
+    imported = _imported_modules(result.stderr)
+    assert not imported & set(FRAMEWORKS), sorted(imported & set(FRAMEWORKS))
+    missing = _python("-m", "keras_tpu_mem.cli", "checkpoints", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr
 
 
 @pytest.mark.parametrize("argv, message", [
