@@ -9,7 +9,7 @@ CPUs ("mirrored") or the default strategy with `jit_compile=True` ("jit").
 
 Run as a script (`python tests/resume_cases.py CASE DIR OUT [--kill-at N]`), it is
 the process a preemption kills: with `--kill-at N` it SIGKILLs itself at the end
-of the N-th batch of the fit (after any save that batch made); otherwise it
+of the N-th batch of the fit (a save falls at the start of a batch); otherwise it
 trains to the end and writes the final state to OUT (`state_arrays`).
 """
 

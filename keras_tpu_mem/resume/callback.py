@@ -131,7 +131,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._saved_global_batch = None
         self._undo = None
         self._epoch = 0
-        self._begin = 0
+        self._last_begin = None
         self._skipping = False
 
     def get_config(self) -> dict:
@@ -172,9 +172,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         found = store.latest_complete(self.directory)
         if found is not None:
             self._restore(model, *found)
-        self._update = int(keras.ops.convert_to_numpy(model.optimizer.iterations.value))
-        self._last_saved = self._update
-        self._batches = 0
+        self._base_update = int(keras.ops.convert_to_numpy(model.optimizer.iterations.value))
+        self._last_saved = self._base_update
+        self._batches = 0  # batches run since `_base_update` was read
+        self._last_begin = None
         self._global_batch = None
         observe_first_batch(model, self._first_batch)
 
@@ -261,6 +262,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        self._last_begin = None
         resume = self._resume_at
         if resume is None or epoch != resume[0] or resume[1] == 0:
             return
@@ -282,9 +284,23 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._skipping = True
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._begin = batch
-        if not self._skipping:
-            return
+        # Saves happen here, before the call of `batch`, not in on_train_batch_end:
+        # a callback with a batch-end hook makes Keras wait for every step's logs
+        # (no asynchronous dispatch), which costs a fast step more than the saves.
+        if self._skipping:
+            self._skip(batch)
+            if self._skipping:
+                return
+        if self._last_begin is not None:
+            self._batches += batch - self._last_begin
+        self._last_begin = batch
+        updates = self._base_update + self._batches // self._engine.batches_per_update()
+        if self._engine.pending_micro_batches():
+            return  # inside an accumulation window: never saved
+        if updates - self._last_saved >= self.every:
+            self._save(self._epoch, batch)
+
+    def _skip(self, batch):
         resume_batch = self._resume_at[1]
         if batch >= resume_batch:
             self._engine.stop_skipping()
@@ -300,20 +316,6 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._engine.skip_next_call(count)
 
     # ------------------------------------------------------------ save
-    def on_train_batch_end(self, batch, logs=None):
-        if self._skipping:
-            return
-        self._batches += batch - self._begin + 1
-        per_update = self._engine.batches_per_update()
-        updates = self._update + self._batches // per_update
-        if self._engine.pending_micro_batches():
-            return  # inside an accumulation window: never saved
-        if updates - self._last_saved < self.every:
-            return
-        if self._steps and batch + 1 >= self._steps:
-            return  # the epoch's end saves it, after the epoch's own callbacks
-        self._save(self._epoch, batch + 1)
-
     def on_epoch_end(self, epoch, logs=None):
         self._save(epoch + 1, 0)
 
@@ -334,7 +336,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 "global_batch_size": self._global_batch,
                 "batches_per_update": self._engine.batches_per_update(),
                 "backend": keras.backend.backend(), "keras": keras.__version__}
-        self._last_saved = update
+        self._last_saved = self._base_update = update
+        self._batches = 0
         self._wait()
         self._raise_write_error()
         if self.asynchronous:

@@ -1,0 +1,163 @@
+"""What `ResumableCheckpoint` costs a fit: the step time with and without it.
+
+One run measures, side by side on JAX, for two models — the digits MLP (64
+inputs, 2 x Dense(256, relu), 10 classes; global batch 32, single device) and
+the encoder of `bench_sharding.py` (2 attention blocks, width 256, sequence 64;
+global batch 64, `DataParallel` over 8 host CPU devices) — each with Adam:
+
+The digits (1,792 examples) are tiled 20 times and the encoder's data (512
+sequences) 8 times, so an epoch is 1,120 and 64 updates.
+
+* `none`         no checkpoint;
+* `async/20`     `ResumableCheckpoint(every=20)` (the files written on a
+                 background thread: the step waits for the copy off the device);
+* `sync/20`      `ResumableCheckpoint(every=20, asynchronous=False)`;
+* `async/100`    `ResumableCheckpoint(every=100)`.
+
+Every configuration fits one warm-up epoch; then they take turns, one epoch
+each, for `--rounds` rounds (the first of each round rotating); each round's
+time is divided by the `none` time of the same round, so all share the
+machine's noise, and the medians over rounds are reported. Saves fall every 20
+updates and at each epoch's end, so an epoch of N updates makes N // 20 + 1
+saves (the table says how many). The checkpoints go to a temporary directory
+on the local disk.
+
+Run:  python benchmarks/bench_resume.py [--models digits,encoder] [--rounds 7]
+                                        [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CONFIGS = ("none", "async/20", "sync/20", "async/100")
+BATCH = {"digits": 32, "encoder": 64}
+#: The data tiled this many times: epochs long enough that the epoch-end save and the
+#: wait for the last write at the fit's end weigh as little as in a real epoch.
+TILES = {"digits": 20, "encoder": 8}
+
+
+def _setup() -> None:
+    os.environ["KERAS_BACKEND"] = "jax"
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    # 8 host devices need XLA:CPU's pool to have 8+ threads on a small machine, or its
+    # in-process all-reduce can deadlock (tests/conftest.py says more).
+    os.environ["NPROC"] = "16"
+    flag = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
+def _model_and_data(name: str):
+    import keras
+    import numpy as np
+
+    if name == "encoder":
+        import bench_sharding
+
+        x, y = bench_sharding._data("encoder")
+        return bench_sharding._build("encoder"), (np.tile(x, (TILES[name], 1, 1)),
+                                                   np.tile(y, TILES[name]))
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    n = len(x) // BATCH[name] * BATCH[name]
+    return model, (np.tile(x[:n], (TILES[name], 1)), np.tile(y[:n].astype(np.int32),
+                                                              TILES[name]))
+
+
+def measure(name: str, rounds: int, root: str) -> dict:
+    import contextlib
+
+    import keras
+
+    from keras_tpu_mem import ResumableCheckpoint
+
+    distribution = keras.distribution.DataParallel() if name == "encoder" else None
+    scope = distribution.scope if distribution is not None else contextlib.nullcontext
+    batch = BATCH[name]
+    runs, results = {}, {}
+    for config in CONFIGS:
+        with scope():
+            model, (x, y) = _model_and_data(name)
+            model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        runs[config] = (model, x, y)
+        results[config] = {"times": []}
+    steps = len(runs["none"][1]) // batch
+    for r in range(rounds):
+        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+        for config in order:
+            model, x, y = runs[config]
+            directory = os.path.join(root, name, config.replace("/", "_"), str(r))
+            callbacks = [] if config == "none" else [ResumableCheckpoint(
+                directory, every=int(config.split("/")[1]),
+                asynchronous=config.startswith("async"))]
+            with scope():
+                start = time.perf_counter()
+                model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                          callbacks=callbacks)
+                results[config]["times"].append(1000 * (time.perf_counter() - start) / steps)
+            shutil.rmtree(directory, ignore_errors=True)
+    for row in results.values():
+        row["ms_per_step"] = statistics.median(row["times"])
+        row["time_ratio"] = statistics.median(
+            t / b for t, b in zip(row["times"], results["none"]["times"]))
+    results["steps_per_epoch"] = steps
+    results["saves_per_epoch"] = {every: steps // every + 1 for every in (20, 100)}
+    return results
+
+
+def markdown(name: str, results: dict) -> str:
+    saves = results["saves_per_epoch"]
+    lines = [f"**{name}** ({results['steps_per_epoch']} updates per epoch; saves per epoch: "
+             f"{saves[20]} with `every=20`, {saves[100]} with `every=100`)", "",
+             "| checkpoint | ms/step (median) | time × (median of per-round ratios) |",
+             "|---|---|---|"]
+    for config in CONFIGS:
+        row = results[config]
+        label = {"none": "none", "async/20": "`ResumableCheckpoint(every=20)`",
+                 "sync/20": "`ResumableCheckpoint(every=20, asynchronous=False)`",
+                 "async/100": "`ResumableCheckpoint(every=100)`"}[config]
+        lines.append(f"| {label} | {row['ms_per_step']:.2f} | {row['time_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="digits,encoder")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", default=None, help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    _setup()
+    root = tempfile.mkdtemp(prefix="bench_resume_")
+    everything = {}
+    try:
+        for name in args.models.split(","):
+            everything[name] = measure(name, args.rounds, root)
+            print(markdown(name, everything[name]), flush=True)
+            print()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(everything, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
