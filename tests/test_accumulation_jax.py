@@ -248,27 +248,25 @@ def test_micro_batches_equal_full_batch(case, spe):
 
 @pytest.mark.slow
 def test_micro_batches_run_eagerly_match_full_batch():
-    """run_eagerly: the same two steps, unjitted (shard_map runs eagerly too).
+    """run_eagerly: the pulled steps unjitted (shard_map runs eagerly too).
 
-    Two updates (8 eager micro-batch steps over 8 devices, not 20): a second window
-    still follows an applied one, so an accumulator the first left behind would show."""
-    updates = 2
-    data = toy_data(updates * GLOBAL_BATCH, classes=8)
+    Two updates of 2 micro-batches (4 eager micro-batch steps, not 20: an eager
+    shard_map compiles each of its operations, over a thousand XLA compiles for 8
+    steps): a second window still follows an applied one, so an accumulator the
+    first left behind would show."""
+    updates, steps = 2, 2
+    data = toy_data(updates * steps * MICRO, classes=8)
     x, y = data
-    reference, _, _ = _fit_micro("dp8", mode=None, batch_size=GLOBAL_BATCH, data=data)
+    reference, _, _ = _fit_micro("dp8", mode=None, batch_size=steps * MICRO, data=data)
     assert int(reference.optimizer.iterations) == updates
     with make_distribution("dp8").scope():
         model = mesh_mlp()
         model.compile(optimizer=_adam(), loss=sparse_ce(), run_eagerly=True)
         model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0,
-                  callbacks=[GradientAccumulation(STEPS, dataset_yields="micro_batches")])
+                  callbacks=[GradientAccumulation(steps, dataset_yields="micro_batches")])
     assert not hasattr(model.train_function.pulled_steps[True], "lower")  # not jitted
     assert int(model.optimizer.iterations) == updates
     assert max_abs_diff(model.get_weights(), reference.get_weights()) <= 1e-6
-
-
-
-
 
 
 def test_micro_batches_window_of_an_interrupted_fit_does_not_leak():
