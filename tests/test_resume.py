@@ -201,8 +201,8 @@ def test_a_different_batch_of_unknown_length_data_is_refused_at_the_first_step(t
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"directory": 3}, TypeError, "`directory` must be a path"),
     ({"directory": "gs://bucket/run"}, ValueError, "must be a local path"),
-    ({"directory": "d", "every": 0}, ValueError, "`every` must be a positive int"),
-    ({"directory": "d", "keep": 1.5}, ValueError, "`keep` must be a positive int"),
+    ({"directory": "d", "every": 0}, ValueError, "`every` must be an int >= 1"),
+    ({"directory": "d", "keep": 1.5}, TypeError, "`keep` must be an int >= 1"),
     ({"directory": "d", "asynchronous": "yes"}, TypeError, "`asynchronous` must be a bool"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):

@@ -108,19 +108,23 @@ class FitRefused(ValueError):
         self.undo = undo
 
 
-class _FirstCallObserver:
-    """Stands in for the train function until its first call, then hands it back.
-
-    Only the engine creates it (see `observe_first_batch`).
-    """
+class _StandIn:
+    """Stands in for the train function `inner`; its attributes (`jitted_step` on JAX)
+    read through."""
 
     def __init__(self, engine, inner):
         self.engine = engine
         self.inner = inner
 
     def __getattr__(self, name):
-        # Attributes of the train function (`jitted_step` on JAX) read through.
         return getattr(self.__dict__["inner"], name)
+
+
+class _FirstCallObserver(_StandIn):
+    """Stands in for the train function until its first call, then hands it back.
+
+    Only the engine creates it (see `observe_first_batch`).
+    """
 
     def __call__(self, *args, **kwargs):
         model = self.engine.model
@@ -152,18 +156,11 @@ class _FirstCallObserver:
         return self.inner(*args, **kwargs)
 
 
-class _SkippingTrainFunction:
+class _SkippingTrainFunction(_StandIn):
     """Stands in for the train function of a resumed fit: a call the engine was told to
     skip (`Engine.skip_next_call`) reads its batches from the data and runs no step;
     every other call goes through. Only the engine creates it (`Engine.start_skipping`).
     """
-
-    def __init__(self, engine, inner):
-        self.engine = engine
-        self.inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["inner"], name)
 
     def __call__(self, *args, **kwargs):
         count, self.engine._skip_count = self.engine._skip_count, 0

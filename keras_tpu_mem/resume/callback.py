@@ -22,20 +22,11 @@ import time
 import keras
 
 from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem._utils import logger
+from keras_tpu_mem._utils import check_positive_int, logger, unique
 from keras_tpu_mem.engine import Engine, FitRefused, observe_first_batch
 from keras_tpu_mem.resume import store
 
 _MODEL, _OPTIMIZER, _METRICS = "model", "optimizer", "metrics"
-
-
-def _distinct(variables) -> list:
-    seen, out = set(), []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            out.append(variable)
-    return out
 
 
 def _build_optimizer(model) -> None:
@@ -113,9 +104,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             raise ValueError(f"`directory` must be a local path; got {directory!r}. Remote "
                              "directories (gs://) are not supported yet: save locally and "
                              "copy, or mount the bucket (gcsfuse).")
-        for name, value in (("every", every), ("keep", keep)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        check_positive_int(every, "every")
+        check_positive_int(keep, "keep")
         if not isinstance(asynchronous, bool):
             raise TypeError(f"`asynchronous` must be a bool, got {asynchronous!r}.")
         self.directory = directory
@@ -142,17 +132,17 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def _groups(self, model) -> dict[str, list]:
         """Group name -> the variables it saves, in a fixed order (the order a script
         that builds the same model makes them in)."""
-        groups = {_MODEL: _distinct(model.variables)}
+        groups = {_MODEL: unique(model.variables)}
         seen = {id(v) for v in groups[_MODEL]}
         optimizer = getattr(model, "optimizer", None)
-        groups[_OPTIMIZER] = [v for v in _distinct(optimizer.variables if optimizer else [])
+        groups[_OPTIMIZER] = [v for v in unique(optimizer.variables if optimizer else [])
                               if id(v) not in seen]
         seen.update(id(v) for v in groups[_OPTIMIZER])
-        groups[_METRICS] = [v for v in _distinct(model.metrics_variables)
+        groups[_METRICS] = [v for v in unique(model.metrics_variables)
                             if id(v) not in seen]
         seen.update(id(v) for v in groups[_METRICS])
         for feature in Engine.attach(model).features:
-            groups[f"feature:{feature.name}"] = [v for v in _distinct(feature.step_variables())
+            groups[f"feature:{feature.name}"] = [v for v in unique(feature.step_variables())
                                                  if id(v) not in seen]
         return groups
 

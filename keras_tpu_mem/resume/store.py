@@ -179,6 +179,23 @@ def list_checkpoints(directory: str, warn: bool = True) -> list[CheckpointInfo]:
 
     Partial folders (a save cut short) and folders whose `checkpoint.json` cannot be
     read are left out, each with a warning naming it when `warn`.
+
+    Args:
+        directory: A `ResumableCheckpoint` directory (a missing one holds none).
+        warn: Log a warning for each folder left out.
+
+    Returns:
+        A list of `CheckpointInfo`; the last is the one a restart resumes from (unless
+        its arrays turn out corrupt).
+
+    Example:
+
+    ```python
+    import keras_tpu_mem as ktm
+
+    for info in ktm.list_checkpoints("/tmp/ktm_resume_example"):
+        print(info.update, info.epoch + 1, info.batch, info.size_bytes)
+    ```
     """
     if not os.path.isdir(directory):
         return []
