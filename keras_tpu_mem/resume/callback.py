@@ -325,7 +325,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         meta = {"epoch": epoch, "batch": batch, "steps_per_epoch": self._steps,
                 "global_batch_size": self._global_batch,
                 "batches_per_update": self._engine.batches_per_update(),
-                "backend": keras.backend.backend(), "keras": keras.__version__}
+                "backend": self._engine.backend.label, "keras": keras.__version__}
         self._last_saved = self._base_update = update
         self._batches = 0
         self._wait()
