@@ -182,24 +182,11 @@ def checkpoints_table(directory: str, now: float | None = None) -> str:
     """What `keras-tpu-mem checkpoints DIR` prints: one row per complete checkpoint of a
     `ResumableCheckpoint` directory (the one a restart resumes from marked), oldest
     first, and a line for each folder a restart would skip."""
-    from keras_tpu_mem.resume.store import list_checkpoints
+    from keras_tpu_mem.resume.store import scan
 
     if not os.path.isdir(directory):
         raise ValueError(f"{directory!r} is not a directory.")
-    skipped = []
-    import logging
-
-    class _Collect(logging.Handler):
-        def emit(self, record):
-            skipped.append(record.getMessage())
-
-    handler = _Collect(level=logging.WARNING)
-    log = logging.getLogger("keras_tpu_mem")
-    log.addHandler(handler)
-    try:
-        found = list_checkpoints(directory)
-    finally:
-        log.removeHandler(handler)
+    found, skipped = scan(directory)
     now = time.time() if now is None else now
     lines = [f"{directory}: {len(found)} complete checkpoint(s)"]
     if found:

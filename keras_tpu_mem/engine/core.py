@@ -26,7 +26,7 @@ import keras
 
 from keras_tpu_mem import _compat, backends
 from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem._utils import logger
+from keras_tpu_mem._utils import check_positive_int, logger
 from keras_tpu_mem.backends.step import micro_batch_count
 from keras_tpu_mem.engine.feature import Feature, in_step_order, overrides
 
@@ -248,40 +248,38 @@ class Engine:
         epoch's first batches again, to reach its position, without training on them.
         Call it after Keras made the train function (`on_train_begin`); it holds until
         `stop_skipping`."""
-        model = self.model
-        current = model.__dict__.get("train_function")
-        if current is None:
+        if self.model.__dict__.get("train_function") is None:
             raise RuntimeError("start_skipping() needs the fit's train function: call it "
                                "from on_train_begin or later.")
-        holder = current if isinstance(current, _FirstCallObserver) else None
-        inner = holder.inner if holder is not None else current
-        if isinstance(inner, _SkippingTrainFunction):
-            return
-        wrapped = _SkippingTrainFunction(self, inner)
-        if holder is not None:
-            holder.inner = wrapped
-        else:
-            model.train_function = wrapped
+        inner = self._train_function_under_observer()
+        if not isinstance(inner, _SkippingTrainFunction):
+            self._set_train_function_under_observer(_SkippingTrainFunction(self, inner))
 
     def skip_next_call(self, count: int) -> None:
         """The next train-function call reads `count` batches (its steps) and runs no
         step; it returns no logs. Needs `start_skipping`."""
-        if not isinstance(count, int) or count < 1:
-            raise ValueError(f"`count` must be a positive int, got {count!r}.")
-        self._skip_count = count
+        self._skip_count = check_positive_int(count, "count")
 
     def stop_skipping(self) -> None:
         """Takes the skipping wrapper of `start_skipping` off the train function."""
         self._skip_count = 0
-        model = self.model
-        current = model.__dict__.get("train_function")
-        holder = current if isinstance(current, _FirstCallObserver) else None
-        inner = holder.inner if holder is not None else current
+        inner = self._train_function_under_observer()
         if isinstance(inner, _SkippingTrainFunction):
-            if holder is not None:
-                holder.inner = inner.inner
-            else:
-                model.train_function = inner.inner
+            self._set_train_function_under_observer(inner.inner)
+
+    def _train_function_under_observer(self):
+        """The model's train function, or the one a waiting `_FirstCallObserver` holds."""
+        current = self.model.__dict__.get("train_function")
+        return current.inner if isinstance(current, _FirstCallObserver) else current
+
+    def _set_train_function_under_observer(self, fn) -> None:
+        """Replaces what `_train_function_under_observer` returns (the observer hands
+        `fn` back at its call)."""
+        current = self.model.__dict__.get("train_function")
+        if isinstance(current, _FirstCallObserver):
+            current.inner = fn
+        else:
+            self.model.train_function = fn
 
     # ------------------------------------------------------- fit boundaries
     def _record_batch(self, size) -> None:

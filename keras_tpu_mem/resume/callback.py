@@ -132,22 +132,21 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def _groups(self, model) -> dict[str, list]:
         """Group name -> the variables it saves, in a fixed order (the order a script
         that builds the same model makes them in)."""
-        groups = {_MODEL: unique(model.variables)}
-        seen = {id(v) for v in groups[_MODEL]}
         optimizer = getattr(model, "optimizer", None)
-        groups[_OPTIMIZER] = [v for v in unique(optimizer.variables if optimizer else [])
-                              if id(v) not in seen]
-        seen.update(id(v) for v in groups[_OPTIMIZER])
-        groups[_METRICS] = [v for v in unique(model.metrics_variables)
-                            if id(v) not in seen]
-        seen.update(id(v) for v in groups[_METRICS])
-        for feature in Engine.attach(model).features:
-            groups[f"feature:{feature.name}"] = [v for v in unique(feature.step_variables())
-                                                 if id(v) not in seen]
+        owners = [(_MODEL, model.variables),
+                  (_OPTIMIZER, optimizer.variables if optimizer else []),
+                  (_METRICS, model.metrics_variables)]
+        owners += [(f"feature:{feature.name}", feature.step_variables())
+                   for feature in Engine.attach(model).features]
+        groups, seen = {}, set()
+        for name, variables in owners:  # a variable two owners list is saved once, first
+            groups[name] = [v for v in unique(variables) if id(v) not in seen]
+            seen.update(id(v) for v in groups[name])
         return groups
 
     def _values(self, variables) -> list:
-        values = Engine.attach(self.model).backend_step.state_values(variables)
+        # Not through `self.model`: on JAX each read of that property syncs Keras' state.
+        values = self._engine.backend_step.state_values(variables)
         return [(v.path, value) for v, value in zip(variables, values)]
 
     # ------------------------------------------------------------ restore

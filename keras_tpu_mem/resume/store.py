@@ -174,6 +174,28 @@ def read_arrays(info: CheckpointInfo) -> dict[str, list]:
     return groups
 
 
+def scan(directory: str) -> tuple[list[CheckpointInfo], list[str]]:
+    """`(complete checkpoints oldest update first, why each other folder is left out)`:
+    partial folders (a save cut short) and folders whose `checkpoint.json` cannot be
+    read. A missing directory holds none."""
+    if not os.path.isdir(directory):
+        return [], []
+    found, skipped = [], []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.startswith(_PARTIAL):
+            skipped.append(f"Skipping {path}: a checkpoint whose save was cut short (the "
+                           "process ended mid-save).")
+            continue
+        if not name.startswith(_PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            found.append(read_info(path))
+        except CorruptCheckpoint as err:
+            skipped.append(f"Skipping a corrupt checkpoint: {err}")
+    return sorted(found, key=lambda info: info.update), skipped
+
+
 def list_checkpoints(directory: str, warn: bool = True) -> list[CheckpointInfo]:
     """The complete checkpoints in `directory`, oldest update first.
 
@@ -197,24 +219,10 @@ def list_checkpoints(directory: str, warn: bool = True) -> list[CheckpointInfo]:
         print(info.update, info.epoch + 1, info.batch, info.size_bytes)
     ```
     """
-    if not os.path.isdir(directory):
-        return []
-    found = []
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if name.startswith(_PARTIAL):
-            if warn:
-                logger.warning("Skipping %s: a checkpoint whose save was cut short (the "
-                               "process ended mid-save).", path)
-            continue
-        if not name.startswith(_PREFIX) or not os.path.isdir(path):
-            continue
-        try:
-            found.append(read_info(path))
-        except CorruptCheckpoint as err:
-            if warn:
-                logger.warning("Skipping a corrupt checkpoint: %s", err)
-    return sorted(found, key=lambda info: info.update)
+    found, skipped = scan(directory)
+    for message in skipped if warn else []:
+        logger.warning("%s", message)
+    return found
 
 
 def latest_complete(directory: str) -> tuple[CheckpointInfo, dict] | None:
