@@ -108,6 +108,12 @@ def test_set_initial_epoch_starts_the_running_fit_there():
     assert epochs == [2, 3]
 
 
+def test_fit_data_is_none_outside_a_fit():
+    """`keras_compat.fit_data` finds no running fit here; the reads inside a fit, for
+    every kind of data on both backends: tests/test_resume.py."""
+    assert keras_compat.fit_data(mlp()) is None
+
+
 def test_model_strategy(mirrored):
     assert keras_compat.model_strategy(mlp()) is None  # made outside any strategy scope
     with mirrored.strategy.scope():

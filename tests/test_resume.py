@@ -164,20 +164,33 @@ def test_a_different_global_batch_is_refused_and_the_model_left_as_it_was(tmp_pa
     _assert_bit_exact(dict(enumerate(model.get_weights())), dict(enumerate(before)))
 
 
+class _EndlessBatches(keras.utils.PyDataset):
+    """Batches of `size`, round and round (`num_batches` None): fit knows only the
+    `steps_per_epoch` it is given, not the global batch."""
+
+    def __init__(self, x, y, size):
+        super().__init__()
+        self.x, self.y, self.size = x, y, size
+
+    @property
+    def num_batches(self):
+        return None
+
+    def __getitem__(self, index):
+        start = index * self.size % len(self.x)
+        return self.x[start:start + self.size], self.y[start:start + self.size]
+
+
 def _unknown_length(x, y, size):
-    """Batches of `size` whose count fit does not know: a generator on JAX, a filtered
-    `tf.data.Dataset` (static batch dimension, unknown cardinality) on TensorFlow."""
+    """Batches of `size` whose global batch fit does not know: a filtered
+    `tf.data.Dataset` (static batch dimension, unknown cardinality) on TensorFlow, an
+    endless PyDataset read for 4 steps per epoch on JAX (a generator is refused)."""
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
         return (tf.data.Dataset.from_tensor_slices((x, y)).batch(size, drop_remainder=True)
-                .filter(lambda *_: True))
-
-    def batches():
-        for start in range(0, len(x), size):
-            yield x[start:start + size], y[start:start + size]
-
-    return batches()
+                .filter(lambda *_: True)), {}
+    return _EndlessBatches(x, y, size), {"steps_per_epoch": 4}
 
 
 @pytest.mark.filterwarnings("ignore:Your input ran out of data")
@@ -185,12 +198,14 @@ def test_a_different_batch_of_unknown_length_data_is_refused_at_the_first_step(t
     """Data whose length fit does not know: the global batch is compared at the first
     step, before it runs, and the model is put back as it was."""
     x, y = _xy()
-    _small_model().fit(_unknown_length(x, y, 8), epochs=1, verbose=0,
+    data, kwargs = _unknown_length(x, y, 8)
+    _small_model().fit(data, epochs=1, verbose=0, shuffle=False, **kwargs,
                        callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
     model = _small_model(seed=3)
     before = [w.copy() for w in model.get_weights()]
+    data, kwargs = _unknown_length(x, y, 16)
     with pytest.raises(ValueError, match="global batch of 8, and this fit's is 16"):
-        model.fit(_unknown_length(x, y, 16), epochs=2, verbose=0,
+        model.fit(data, epochs=2, verbose=0, shuffle=False, **kwargs,
                   callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
     _assert_bit_exact(dict(enumerate(model.get_weights())), dict(enumerate(before)))
     # The same model fits normally afterwards (nothing of the refused resume is left).
@@ -212,7 +227,7 @@ def test_bad_arguments_are_refused(kwargs, error, match):
 
 def test_another_model_is_refused_before_anything_changes(tmp_path):
     x, y = _xy()
-    _small_model().fit(x, y, batch_size=8, epochs=1, verbose=0,
+    _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
                        callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
     keras.utils.set_random_seed(0)
     other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5),
@@ -220,8 +235,80 @@ def test_another_model_is_refused_before_anything_changes(tmp_path):
     other.compile(optimizer="adam", loss="mse")
     before = [w.copy() for w in other.get_weights()]
     with pytest.raises(ValueError, match="Build the same model"):
-        other.fit(x, y, batch_size=8, epochs=2, verbose=0,
+        other.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
                   callbacks=[ktm.ResumableCheckpoint(str(tmp_path))])
     _assert_bit_exact(dict(enumerate(other.get_weights())), dict(enumerate(before)))
     assert ktm.ResumableCheckpoint(str(tmp_path), every=4).get_config() == {
         "directory": str(tmp_path), "every": 4, "keep": 2, "asynchronous": True}
+
+
+class _IndexedBatches(keras.utils.PyDataset):
+    def __init__(self, x, y, size):
+        super().__init__()
+        self.x, self.y, self.size = x, y, size
+
+    def __len__(self):
+        return len(self.x) // self.size
+
+    def __getitem__(self, index):
+        rows = slice(index * self.size, (index + 1) * self.size)
+        return self.x[rows], self.y[rows]
+
+
+def _generator(x, y, size):
+    while True:
+        for start in range(0, len(x), size):
+            yield x[start:start + size], y[start:start + size]
+
+
+def test_fit_data_reads_the_running_fits_data_adapter():
+    """`_compat.keras.fit_data` (Keras' `Trainer.fit` local `epoch_iterator`, its
+    `data_adapter` and that adapter's shuffle attribute) from inside a callback, on both
+    backends' fit (tests/test_compat.py has the read outside a fit)."""
+    from keras_tpu_mem._compat import keras as keras_compat
+
+    class Record(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            seen.append(keras_compat.fit_data(self.model))
+
+    x, y = _xy(32)
+    runs = [((x, y), {"batch_size": 8, "shuffle": True}, ("arrays", True)),
+            ((x, y), {"batch_size": 8, "shuffle": False}, ("arrays", False)),
+            ((_IndexedBatches(x, y, 8),), {"shuffle": True}, ("keras.utils.PyDataset", True)),
+            ((_IndexedBatches(x, y, 8),), {"shuffle": False},
+             ("keras.utils.PyDataset", False)),
+            ((_EndlessBatches(x, y, 8),), {"steps_per_epoch": 2},
+             ("keras.utils.PyDataset", False)),
+            ((_generator(x, y, 8),), {"steps_per_epoch": 2}, ("Python generator", False))]
+    for args, kwargs, want in runs:
+        seen = []
+        _small_model().fit(*args, epochs=1, verbose=0, callbacks=[Record()], **kwargs)
+        assert seen == [want], (kwargs, seen)
+
+
+@pytest.mark.parametrize("data,kwargs,error,match", [
+    ("generator", {"steps_per_epoch": 4}, TypeError, "cannot position a Python generator"),
+    ("arrays", {"batch_size": 8}, ValueError, r"fit\(shuffle=True\), the default, reorders "
+                                              "the arrays"),
+    ("py_dataset", {"shuffle": True}, ValueError, "reorders the keras.utils.PyDataset"),
+])
+def test_data_a_restart_cannot_read_again_in_order_is_refused_before_anything_changes(
+        tmp_path, data, kwargs, error, match):
+    """Refused at on_train_begin of the first run (no checkpoint written) and of a
+    restart (the model left as it was, nothing restored)."""
+    x, y = _xy()
+    make = {"generator": lambda: (_generator(x, y, 8),), "arrays": lambda: (x, y),
+            "py_dataset": lambda: (_IndexedBatches(x, y, 8),)}[data]
+    with pytest.raises(error, match=match):
+        _small_model().fit(*make(), epochs=1, verbose=0, **kwargs,
+                           callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+    assert os.listdir(tmp_path) == []
+    _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                       callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+    model = _small_model(seed=3)
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(error, match=match):
+        model.fit(*make(), epochs=2, verbose=0, **kwargs,
+                  callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+    _assert_bit_exact(dict(enumerate(model.get_weights())), dict(enumerate(before)))
+    assert model._initial_epoch is None

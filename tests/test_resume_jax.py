@@ -24,3 +24,38 @@ def test_saved_sharded_resumes_under_data_parallel(tmp_path):
     for key in want:
         np.testing.assert_allclose(got[key].astype("float64"), want[key].astype("float64"),
                                    rtol=0, atol=1e-6, err_msg=key)
+
+
+def test_state_spread_over_processes_is_refused_at_train_begin(tmp_path, monkeypatch):
+    """Under `jax.distributed` every variable spans several processes' devices (not
+    fully addressable): refused by name in on_train_begin, before a save or restore,
+    not at the first save."""
+    import keras
+
+    import keras_tpu_mem as ktm
+    from keras_tpu_mem.backends.jax.trainer import Step
+
+    class Spread:
+        is_fully_addressable = False
+
+    class Variable:
+        path, value = "dense/kernel", Spread()
+
+    with pytest.raises(ValueError, match=r"e\.g\. 'dense/kernel'\) are spread over several"):
+        Step.check_state_readable([Variable()])
+    seen, check = [], Step.check_state_readable
+
+    def spread(variables):
+        seen.extend(variables)
+        check([Variable()])
+
+    monkeypatch.setattr(Step, "check_state_readable", staticmethod(spread))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="adam", loss="mse")
+    x = np.zeros((16, 4), "float32")
+    with pytest.raises(ValueError, match="multi-process checkpoint"):
+        model.fit(x, x[:, :3], batch_size=8, shuffle=False, verbose=0,
+                  callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=1)])
+    assert {id(v) for v in model.variables} <= {id(v) for v in seen}
+    assert list(tmp_path.iterdir()) == []

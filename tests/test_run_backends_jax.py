@@ -64,3 +64,29 @@ def test_a_backend_without_its_framework_is_skipped_with_a_notice(tmp_path, caps
     # Nothing at all could run: that is a failure, not a pass.
     assert run_backends.main(["--backends", "tensorflow", path]) == 1
     assert "no backend could run" in capsys.readouterr().out
+
+
+_IN_A_WORKER = ("import os\n\ndef test_a():\n"
+                "    assert os.environ.get('PYTEST_XDIST_WORKER', '').startswith('gw') is {}\n")
+
+
+@pytest.mark.parametrize("workers,in_a_worker", [("2", True), ("1", False)])
+def test_workers_run_each_backend_in_pytest_xdist_processes(tmp_path, capsys, workers,
+                                                            in_a_worker):
+    path = _write(tmp_path, _IN_A_WORKER.format(in_a_worker))
+    assert run_backends.main(["--backends", "jax", "--workers", workers, path]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "1 passed, 0 failed"
+
+
+def test_the_callers_own_xdist_arguments_win():
+    assert run_backends.xdist_args(2, ["-x"]) == ["-n", "2", "--dist", "loadfile"]
+    for own in (["-n", "4"], ["-n4"], ["--numprocesses=3"], ["-p", "no:xdist"],
+                ["--dist", "load"]):
+        assert run_backends.xdist_args(2, own) == []
+    assert run_backends.xdist_args(1, []) == []
+
+
+def test_workers_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        run_backends.main(["--workers", "0"])
+    assert "--workers must be a positive integer, got 0" in capsys.readouterr().err

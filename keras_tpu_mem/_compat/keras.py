@@ -3,6 +3,8 @@ keras-nightly 3.16.0.dev2026102704; `tests/test_compat.py` names each one."""
 
 from __future__ import annotations
 
+import sys
+
 
 # ------------------------------------------------------------------ losses
 def scale_loss_for_distribution(value):
@@ -127,6 +129,47 @@ def set_initial_epoch(model, epoch: int | None) -> None:
         raise RuntimeError("This Keras has no `Trainer._initial_epoch`: a fit cannot be "
                            "resumed mid-run. keras_tpu_mem supports Keras 3.12-3.16.")
     model._initial_epoch = epoch
+
+
+#: Keras' data adapter classes (3.12-3.16, `keras.src.trainers.data_adapters`) -> the
+#: kind of data `fit` was given, as a user names it.
+_DATA_KINDS = {
+    "ArrayDataAdapter": "arrays",
+    "PyDatasetAdapter": "keras.utils.PyDataset",
+    "TFDatasetAdapter": "tf.data.Dataset",
+    "GeneratorDataAdapter": "Python generator",
+    "GrainDatasetAdapter": "grain dataset",
+    "TorchDataLoaderAdapter": "torch DataLoader",
+}
+
+
+def fit_data(model) -> tuple[str, bool] | None:
+    """`(kind, shuffled)` of the data of the `fit` running on `model`, from a callback
+    of that fit; None where it cannot be read.
+
+    Keras keeps a fit's data adapter nowhere but in the call (3.12-3.16: the local
+    `epoch_iterator` of `Trainer.fit` on every backend, an `EpochIterator` whose
+    `data_adapter` is `ArrayDataAdapter` with `_shuffle`, `PyDatasetAdapter` with
+    `shuffle`, ...), so it is read from that call's frame. `kind` is one of
+    `_DATA_KINDS`' values, or the adapter's class name; `shuffled` is whether Keras
+    itself reorders the batches each epoch (`fit(shuffle=True)` with arrays or a
+    PyDataset of known length)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            adapter = getattr(frame.f_locals.get("epoch_iterator"), "data_adapter", None)
+            if adapter is None:
+                return None
+            name = type(adapter).__name__
+            if name == "ArrayDataAdapter":
+                shuffled = bool(getattr(adapter, "_shuffle", False))
+            elif name == "PyDatasetAdapter":
+                shuffled = bool(adapter.shuffle) and adapter.py_dataset.num_batches is not None
+            else:
+                shuffled = False
+            return _DATA_KINDS.get(name, name), shuffled
+        frame = frame.f_back
+    return None
 
 
 def backend_trainer_class():

@@ -539,7 +539,9 @@ class Trainer(Protocol):
     `global_batch_size_of_call(args)`, `build_train_function()`, `skip_call(args,
     count)`: a resumed fit's call that reads its batches and runs no step,
     `abandon_call(args)`: a refused call's state put back into the variables,
-    `state_values(variables)`: their values as numpy arrays outside the step)."""
+    `state_values(variables)`: their values as numpy arrays outside the step,
+    `check_state_readable(variables)`: a `ValueError` where `state_values` cannot read
+    them in this process)."""
 
     def update_variable(self, variable, fn, *args):
         """Updates a model variable from inside the step, consistently on every replica:

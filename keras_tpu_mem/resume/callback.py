@@ -28,6 +28,34 @@ from keras_tpu_mem.resume import store
 
 _MODEL, _OPTIMIZER, _METRICS = "model", "optimizer", "metrics"
 
+#: What a restarted fit can read again in the same order, as its refusals list it.
+_POSITIONABLE = ("arrays with `shuffle=False`, a keras.utils.PyDataset (batches by index) "
+                 "with `shuffle=False`, or a tf.data.Dataset / grain dataset whose order is "
+                 "the same at every run")
+
+
+def _check_data(model) -> None:
+    """Refuses data a restarted fit cannot read again in the same order, before
+    anything is restored or saved."""
+    found = keras_compat.fit_data(model)
+    if found is None:
+        logger.warning(
+            "ResumableCheckpoint could not tell what data this fit reads: a resume is "
+            "exact only if it comes in the same order at every run (%s).", _POSITIONABLE)
+        return
+    kind, shuffled = found
+    if kind == "Python generator":
+        raise TypeError(
+            "ResumableCheckpoint cannot position a Python generator (fit's `x`): a "
+            "restarted script's generator starts again at its first batch, so the resumed "
+            f"epoch would train on other examples. Pass {_POSITIONABLE}.")
+    if shuffled:
+        raise ValueError(
+            f"ResumableCheckpoint needs the batches in the same order at every run, and "
+            f"fit(shuffle=True), the default, reorders the {kind} at random at each run: "
+            "the resumed epoch would train on other examples. Pass `shuffle=False` "
+            "(shuffle the data once, with a fixed seed, before fit).")
+
 
 def _build_optimizer(model) -> None:
     """Creates the optimizer's variables before they are restored: Keras builds them
@@ -56,8 +84,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     restarted after a preemption), the newest complete checkpoint is restored, `fit`
     starts at its epoch, and the epoch's batches before its position are read and
     skipped without a step, so the data must come in the same order at every run:
-    arrays with `shuffle=False`, or a `tf.data.Dataset` / `keras.utils.PyDataset`
-    whose order is fixed (or a pure function of the epoch). A folder left half-written
+    arrays with `shuffle=False`, or a `tf.data.Dataset` / `keras.utils.PyDataset` /
+    grain dataset whose order is fixed (or a pure function of the epoch). A Python
+    generator (a restart starts it again at its first batch) and `fit(shuffle=True)`
+    (a new random order at each run) are refused at `on_train_begin`, before any save
+    or restore, also on the first run. A folder left half-written
     by a process killed mid-save is skipped for the previous complete checkpoint, with
     a warning naming it. A restart whose steps per epoch or global batch differ from
     the checkpoint's is refused before anything changes (the position would mean
@@ -153,9 +184,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._raise_write_error()
         model = self.model
+        _check_data(model)
         self._steps = (self.params or {}).get("steps")
         self._spe = int(getattr(model, "steps_per_execution", 1) or 1)
         self._engine = Engine.attach(model)
+        # Refused here, before anything is restored, not at the first save.
+        self._engine.backend_step.check_state_readable(
+            [v for variables in self._groups(model).values() for v in variables])
         self._resume_at = self._metrics_values = self._undo = None
         self.resumed_from = None
         found = store.latest_complete(self.directory)

@@ -202,20 +202,25 @@ class Step:
         return {}, state
 
     @staticmethod
+    def check_state_readable(variables) -> None:
+        """Raises a `ValueError` if a value is spread over several processes' devices
+        (a `jax.distributed` job): `state_values` reads the state whole in one process."""
+        spread = [v.path for v in variables
+                  if not getattr(v.value, "is_fully_addressable", True)]
+        if spread:
+            raise ValueError(
+                f"{len(spread)} variables (e.g. {spread[0]!r}) are spread over several "
+                f"processes' devices (this job has {jax.process_count()} processes): "
+                "reading the training state whole is supported in one process only; a "
+                "multi-process checkpoint (Orbax) is not supported yet.")
+
+    @staticmethod
     def state_values(variables) -> list:
         """The variables' values as numpy arrays, outside the step (after Keras synced
         its training state into them). One process's arrays only: a value spread over
-        several processes' devices is refused."""
-        values = []
-        for variable in variables:
-            value = variable.value
-            if not getattr(value, "is_fully_addressable", True):
-                raise ValueError(
-                    f"{variable.path!r} is spread over several processes' devices; reading "
-                    "the training state whole is supported in one process only (a "
-                    "multi-process checkpoint is not supported yet).")
-            values.append(np.asarray(value))
-        return values
+        several processes' devices is refused (`check_state_readable`)."""
+        Step.check_state_readable(variables)
+        return [np.asarray(variable.value) for variable in variables]
 
     def abandon_call(self, args) -> None:
         """Puts a call's input state `(state, iterator)` back into the model's variables

@@ -100,6 +100,11 @@ class Step:
         return {}
 
     @staticmethod
+    def check_state_readable(variables) -> None:
+        """Nothing to refuse: one TensorFlow process holds every replica's values
+        (tf.distribute, TPUStrategy included, drives its devices from one client)."""
+
+    @staticmethod
     def state_values(variables) -> list:
         """The variables' values as numpy arrays, outside the step. A variable that
         syncs on read (a metric's total under a strategy) reads its aggregate over
