@@ -174,7 +174,8 @@ class TPUStrategyWrapper:
             )
         return global_batch // self.num_replicas
 
-    def distribute(self, dataset, global_batch_size: int, drop_remainder: bool = True):
+    def distribute(self, dataset, global_batch_size: int, drop_remainder: bool = True,
+                   seed: int | None = None):
         """Batches a dataset of single examples for `fit` on this strategy.
 
         Args:
@@ -186,18 +187,48 @@ class TPUStrategyWrapper:
                 same static shape, which XLA needs. With `False` on a TPU
                 (TensorFlow) a warning says the last batch compiles a second
                 program.
+            seed: Shuffle arrays with each epoch's order a pure function of
+                `seed` and the epoch (`keras_tpu_mem.epoch_order.EpochOrder`):
+                every run, a restarted one too, reads epoch `e` in the same
+                order, which `ResumableCheckpoint` needs to resume mid-epoch
+                exactly (it sets the epoch a restarted `fit` resumes at). Pass
+                the result to `fit` with `shuffle=False`. Arrays only: a
+                `tf.data.Dataset` orders itself. None: the arrays' own order.
 
         Returns:
             On TensorFlow, and for a `tf.data.Dataset`: a batched, prefetched
             `tf.data.Dataset`; `fit` splits each batch over the replicas. On
             JAX, for arrays: a `keras.utils.PyDataset` of static global
             batches; under several processes each process's batches hold its
-            own share of every global batch.
+            own share of every global batch. With `seed`, its `epoch_order`
+            attribute is the `EpochOrder`.
+
+        Example:
+
+        ```python
+        import numpy as np
+        import keras_tpu_mem as ktm
+
+        wrapper = ktm.TPUStrategyWrapper()
+        x = np.random.rand(256, 8).astype("float32")
+        y = np.random.randint(0, 2, 256)
+        batches = wrapper.distribute((x, y), global_batch_size=32, seed=7)
+        # model.fit(batches, epochs=3, shuffle=False, callbacks=[ktm.ResumableCheckpoint(...)])
+        ```
         """
         self.per_replica_batch_size(global_batch_size)
         if not isinstance(drop_remainder, bool):
             raise TypeError(f"`drop_remainder` must be a bool, got {drop_remainder!r}.")
-        return self._placement.batches(dataset, global_batch_size, drop_remainder)
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+                raise TypeError(f"`seed` must be a non-negative int or None, got {seed!r}.")
+            if type(dataset).__module__.startswith("tensorflow"):
+                raise TypeError(
+                    "`seed` orders arrays (an array, or a tuple or dict of arrays); a "
+                    f"{type(dataset).__name__} cannot be reordered by index. Pass the "
+                    "arrays, or order the tf.data.Dataset yourself the same way at every "
+                    "run.")
+        return self._placement.batches(dataset, global_batch_size, drop_remainder, seed)
 
     # ---------------------------------------------------------------- memory
     def replica_devices(self) -> list[str]:

@@ -1,6 +1,7 @@
 """The run `ResumableCheckpoint`'s tests stop and resume: every training feature on.
 
-A student MLP with Dropout (random state to restore), trained with
+A student MLP with Dropout (random state to restore), its examples shuffled through
+`TPUStrategyWrapper.distribute(seed=...)` (each epoch in its own order), trained with
 `GradientAccumulation(2)`, `MixedBFloat16`, `Pruning` (masks recomputed every 4
 updates) and `Distillation` from a live teacher, 10 updates per epoch, under one
 of the cases of the resume matrix: JAX `DataParallel(8)` ("dp8") or
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-EPOCHS, BATCH, EXAMPLES, EVERY = 3, 32, 320, 5
+EPOCHS, BATCH, EXAMPLES, EVERY, DATA_SEED = 3, 32, 320, 5, 11
 JAX_CASES = ("dp8", "fsdp8")
 TENSORFLOW_CASES = ("mirrored", "jit")
 
@@ -66,6 +67,15 @@ def data():
     return x, y
 
 
+def batches(case):
+    """The examples shuffled through `TPUStrategyWrapper.distribute(seed=...)`: each
+    epoch in an order of its own, a function of the seed and the epoch."""
+    from keras_tpu_mem import TPUStrategyWrapper
+
+    wrapper = TPUStrategyWrapper(logical_cpus=2) if case == "mirrored" else TPUStrategyWrapper()
+    return wrapper.distribute(data(), BATCH, seed=DATA_SEED)
+
+
 class StopAt:
     """A callback ending the process (`kill=True`: SIGKILL, as a preemption does) or
     the fit (an exception) at the end of its `at`-th batch."""
@@ -97,7 +107,7 @@ def train(case, directory=None, *, stop_at=None, kill=False, asynchronous=True, 
 
     import keras_tpu_mem as ktm
 
-    x, y = data()
+    examples = batches(case)
     # tf.distribute: models are made under the strategy's scope and fit outside it;
     # keras.distribution: fit runs under the distribution too.
     with _distribution(case):
@@ -115,11 +125,11 @@ def train(case, directory=None, *, stop_at=None, kill=False, asynchronous=True, 
         if stop_at is not None:
             callbacks.append(StopAt(stop_at, kill))
         if case in JAX_CASES:
-            history = student.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
-                                  verbose=0, callbacks=callbacks)
+            history = student.fit(examples, epochs=EPOCHS, shuffle=False, verbose=0,
+                                  callbacks=callbacks)
     if case not in JAX_CASES:
-        history = student.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
-                              verbose=0, callbacks=callbacks)
+        history = student.fit(examples, epochs=EPOCHS, shuffle=False, verbose=0,
+                              callbacks=callbacks)
     return student, callbacks, history
 
 

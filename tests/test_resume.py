@@ -272,18 +272,18 @@ def test_fit_data_reads_the_running_fits_data_adapter():
             seen.append(keras_compat.fit_data(self.model))
 
     x, y = _xy(32)
-    runs = [((x, y), {"batch_size": 8, "shuffle": True}, ("arrays", True)),
-            ((x, y), {"batch_size": 8, "shuffle": False}, ("arrays", False)),
-            ((_IndexedBatches(x, y, 8),), {"shuffle": True}, ("keras.utils.PyDataset", True)),
-            ((_IndexedBatches(x, y, 8),), {"shuffle": False},
-             ("keras.utils.PyDataset", False)),
-            ((_EndlessBatches(x, y, 8),), {"steps_per_epoch": 2},
-             ("keras.utils.PyDataset", False)),
-            ((_generator(x, y, 8),), {"steps_per_epoch": 2}, ("Python generator", False))]
+    indexed, endless = _IndexedBatches(x, y, 8), _EndlessBatches(x, y, 8)
+    runs = [((x, y), {"batch_size": 8, "shuffle": True}, ("arrays", True, None)),
+            ((x, y), {"batch_size": 8, "shuffle": False}, ("arrays", False, None)),
+            ((indexed,), {"shuffle": True}, ("keras.utils.PyDataset", True, indexed)),
+            ((indexed,), {"shuffle": False}, ("keras.utils.PyDataset", False, indexed)),
+            ((endless,), {"steps_per_epoch": 2}, ("keras.utils.PyDataset", False, endless)),
+            ((_generator(x, y, 8),), {"steps_per_epoch": 2}, ("Python generator", False, None))]
     for args, kwargs, want in runs:
         seen = []
         _small_model().fit(*args, epochs=1, verbose=0, callbacks=[Record()], **kwargs)
-        assert seen == [want], (kwargs, seen)
+        assert len(seen) == 1 and tuple(seen[0][:2]) == want[:2], (kwargs, seen)
+        assert seen[0].source is want[2]
 
 
 @pytest.mark.parametrize("data,kwargs,error,match", [
@@ -312,3 +312,50 @@ def test_data_a_restart_cannot_read_again_in_order_is_refused_before_anything_ch
                   callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
     _assert_bit_exact(dict(enumerate(model.get_weights())), dict(enumerate(before)))
     assert model._initial_epoch is None
+
+
+def test_distribute_seed_orders_each_epoch_by_seed_and_epoch_alone():
+    """`TPUStrategyWrapper.distribute(seed=)`: every epoch reads each example once, in an
+    order of its own; a second run (another wrapper, the restarted script) set to an
+    epoch reads that epoch's order; fit's epochs move it on (Keras' on_epoch_end)."""
+    ids = np.arange(40, dtype="float32")[:, None]
+    wrapper = ktm.TPUStrategyWrapper()
+
+    def epoch_rows(batches):
+        return np.concatenate([batches[i][0][:, 0] for i in range(len(batches))])
+
+    first = wrapper.distribute((ids, ids), 8, seed=5)
+    orders = []
+    for _ in range(3):
+        orders.append(epoch_rows(first))
+        first.on_epoch_end()
+    for rows in orders:
+        np.testing.assert_array_equal(np.sort(rows), ids[:, 0])
+    assert len({tuple(rows) for rows in orders} | {tuple(ids[:, 0])}) == 4
+    again = ktm.TPUStrategyWrapper().distribute((ids, ids), 8, seed=5)
+    again.epoch_order.set_epoch(2)
+    np.testing.assert_array_equal(epoch_rows(again), orders[2])
+    other_seed = wrapper.distribute((ids, ids), 8, seed=6)
+    assert not np.array_equal(epoch_rows(other_seed), orders[0])
+
+    batches = wrapper.distribute((ids, ids), 8, seed=5)
+    keras.utils.set_random_seed(0)
+    one = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    one.compile(optimizer="sgd", loss="mse")
+    one.fit(batches, epochs=3, shuffle=False, verbose=0)
+    assert batches.epoch_order.epoch == 3
+
+
+@pytest.mark.parametrize("seed,match", [(-1, "non-negative int"), ("7", "non-negative int"),
+                                        (True, "non-negative int")])
+def test_distribute_seed_must_be_a_non_negative_int(seed, match):
+    with pytest.raises(TypeError, match=f"`seed` must be a {match}"):
+        ktm.TPUStrategyWrapper().distribute(np.zeros((16, 2)), 8, seed=seed)
+
+
+@pytest.mark.tensorflow_only("a tf.data.Dataset input")
+def test_distribute_seed_refuses_a_tf_data_dataset():
+    import tensorflow as tf
+
+    with pytest.raises(TypeError, match="cannot be reordered by index"):
+        ktm.TPUStrategyWrapper().distribute(tf.data.Dataset.range(16), 8, seed=1)

@@ -8,7 +8,7 @@ import pytest
 
 import keras_tpu_mem as ktm
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem.backends.jax.batches import ArrayBatches
+from keras_tpu_mem.array_batches import ArrayBatches
 from keras_tpu_mem.strategy import TPUStrategyWrapper
 
 

@@ -4,6 +4,7 @@ keras-nightly 3.16.0.dev2026102704; `tests/test_compat.py` names each one."""
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 
 # ------------------------------------------------------------------ losses
@@ -143,17 +144,22 @@ _DATA_KINDS = {
 }
 
 
-def fit_data(model) -> tuple[str, bool] | None:
-    """`(kind, shuffled)` of the data of the `fit` running on `model`, from a callback
-    of that fit; None where it cannot be read.
+class _FitData(NamedTuple):
+    kind: str  # one of `_DATA_KINDS`' values, or the adapter's class name
+    shuffled: bool  # whether Keras itself reorders the batches at each epoch
+    source: object  # the PyDataset / tf.data.Dataset fit reads, or None for others
+
+
+def fit_data(model) -> _FitData | None:
+    """`(kind, shuffled, source)` of the data of the `fit` running on `model`,
+    from a callback of that fit; None where it cannot be read.
 
     Keras keeps a fit's data adapter nowhere but in the call (3.12-3.16: the local
     `epoch_iterator` of `Trainer.fit` on every backend, an `EpochIterator` whose
     `data_adapter` is `ArrayDataAdapter` with `_shuffle`, `PyDatasetAdapter` with
-    `shuffle`, ...), so it is read from that call's frame. `kind` is one of
-    `_DATA_KINDS`' values, or the adapter's class name; `shuffled` is whether Keras
-    itself reorders the batches each epoch (`fit(shuffle=True)` with arrays or a
-    PyDataset of known length)."""
+    `shuffle` and `py_dataset`, `TFDatasetAdapter` with `_dataset`, ...), so it is read
+    from that call's frame. `shuffled` is True for `fit(shuffle=True)` with arrays or a
+    PyDataset of known length."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
@@ -161,13 +167,15 @@ def fit_data(model) -> tuple[str, bool] | None:
             if adapter is None:
                 return None
             name = type(adapter).__name__
+            shuffled, source = False, None
             if name == "ArrayDataAdapter":
                 shuffled = bool(getattr(adapter, "_shuffle", False))
             elif name == "PyDatasetAdapter":
-                shuffled = bool(adapter.shuffle) and adapter.py_dataset.num_batches is not None
-            else:
-                shuffled = False
-            return _DATA_KINDS.get(name, name), shuffled
+                source = adapter.py_dataset
+                shuffled = bool(adapter.shuffle) and source.num_batches is not None
+            elif name == "TFDatasetAdapter":
+                source = getattr(adapter, "_dataset", None)
+            return _FitData(_DATA_KINDS.get(name, name), shuffled, source)
         frame = frame.f_back
     return None
 

@@ -497,8 +497,10 @@ class Strategy(Protocol):
     TPU VM's `TPU_ACCELERATOR_TYPE`, or None), `bytes_limit()` (a runtime's own capacity
     figure, or None), `replica_devices()` (`(short name, what keras_tpu_mem.devices
     reads)` per replica of this process), `batches(dataset, global_batch_size,
-    drop_remainder)`, `state_bytes(variables)`, `announcement(device_name)` (the log line
-    without its reason) and `repr_fields` (what `repr` adds before the kind)."""
+    drop_remainder, seed)` (with `seed`, arrays in an `EpochOrder`'s order, the
+    result's `epoch_order` attribute), `state_bytes(variables)`,
+    `announcement(device_name)` (the log line without its reason) and `repr_fields`
+    (what `repr` adds before the kind)."""
 
     def place(self, tpu: str | None, logical_cpus: int | None, **options):
         """Builds what the backend distributes with and returns a `Placement`;
@@ -670,18 +672,6 @@ class Cluster(Protocol):
         ...
 
 
-class Batches(Protocol):
-    """JAX only: under `keras.distribution` each process feeds its own share of every
-    global batch, which `ArrayBatches` slices out of in-memory arrays
-    (`Strategy.Placement.batches`); TensorFlow's `tf.distribute` splits a `tf.data`
-    dataset over the replicas itself."""
-
-    ArrayBatches: type
-    """`ArrayBatches(data, global_batch_size, *, drop_remainder=True, process_index=0,
-    process_count=1)`: a `keras.utils.PyDataset` of this process's rows of every global
-    batch."""
-
-
 #: Every concern, by module name, and its protocol.
 CONCERNS: dict[str, type] = {
     "context": Context,
@@ -698,13 +688,11 @@ CONCERNS: dict[str, type] = {
     "data": Data,
     "batch_split": BatchSplit,
     "cluster": Cluster,
-    "batches": Batches,
 }
 
 #: The concerns only one backend has, and that backend (each protocol says why).
 ONLY_ON: dict[str, str] = {
     "tpu_topology": "jax",
-    "batches": "jax",
     "data": "tensorflow",
     "batch_split": "tensorflow",
     "cluster": "tensorflow",
@@ -731,7 +719,7 @@ def members(protocol: type) -> dict:
     return found
 
 
-__all__ = ["CONCERNS", "ONLY_ON", "PARTS", "BatchSplit", "Batches", "Cluster", "CompileRefused",
+__all__ = ["CONCERNS", "ONLY_ON", "PARTS", "BatchSplit", "Cluster", "CompileRefused",
            "Compiled", "CompiledLayers", "Context", "Data", "Devices", "Materialize",
            "Profiler", "ShardedStateUnavailable", "Sharding", "Storage", "Strategy",
            "TpuTopology", "Trainer", "members"]

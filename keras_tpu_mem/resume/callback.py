@@ -34,16 +34,17 @@ _POSITIONABLE = ("arrays with `shuffle=False`, a keras.utils.PyDataset (batches 
                  "the same at every run")
 
 
-def _check_data(model) -> None:
+def _check_data(model):
     """Refuses data a restarted fit cannot read again in the same order, before
-    anything is restored or saved."""
+    anything is restored or saved; returns the data's `EpochOrder`, if it has one
+    (`TPUStrategyWrapper.distribute(seed=...)`)."""
     found = keras_compat.fit_data(model)
     if found is None:
         logger.warning(
             "ResumableCheckpoint could not tell what data this fit reads: a resume is "
             "exact only if it comes in the same order at every run (%s).", _POSITIONABLE)
-        return
-    kind, shuffled = found
+        return None
+    kind, shuffled, source = found
     if kind == "Python generator":
         raise TypeError(
             "ResumableCheckpoint cannot position a Python generator (fit's `x`): a "
@@ -54,7 +55,9 @@ def _check_data(model) -> None:
             f"ResumableCheckpoint needs the batches in the same order at every run, and "
             f"fit(shuffle=True), the default, reorders the {kind} at random at each run: "
             "the resumed epoch would train on other examples. Pass `shuffle=False` "
-            "(shuffle the data once, with a fixed seed, before fit).")
+            "(and shuffle with TPUStrategyWrapper.distribute(..., seed=...): each "
+            "epoch's order a function of the seed and the epoch).")
+    return getattr(source, "epoch_order", None)
 
 
 def _build_optimizer(model) -> None:
@@ -154,6 +157,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._epoch = 0
         self._last_begin = None
         self._skipping = False
+        self._epoch_order = None
 
     def get_config(self) -> dict:
         return {"directory": self.directory, "every": self.every, "keep": self.keep,
@@ -184,7 +188,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._raise_write_error()
         model = self.model
-        _check_data(model)
+        self._epoch_order = _check_data(model)
         self._steps = (self.params or {}).get("steps")
         self._spe = int(getattr(model, "steps_per_execution", 1) or 1)
         self._engine = Engine.attach(model)
@@ -287,6 +291,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._last_begin = None
+        if self._epoch_order is not None:
+            # Keras reads the epoch's first batch after this: the order of `epoch`, also
+            # where a restarted fit starts at a later epoch than the data counted.
+            self._epoch_order.set_epoch(epoch)
         resume = self._resume_at
         if resume is None or epoch != resume[0] or resume[1] == 0:
             return

@@ -13,8 +13,8 @@ Multi-host (TPU pods, or several processes on one machine):
 `jax.distributed.initialize`) before it looks at the devices; pass
 `coordinator_address`, `num_processes` and `process_id` where the environment
 does not say them (on Cloud TPU pods JAX finds them itself). Each process then
-feeds its own share of every global batch (`batches.ArrayBatches` slices it), and the
-distribution is built with `auto_shard_dataset=False`.
+feeds its own share of every global batch (`keras_tpu_mem.array_batches.ArrayBatches`
+slices it), and the distribution is built with `auto_shard_dataset=False`.
 
 Contract: `keras_tpu_mem.backends.contracts.Strategy`.
 """
@@ -29,8 +29,8 @@ import keras
 import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem.array_batches import ArrayBatches
 from keras_tpu_mem.backends.jax import sharding
-from keras_tpu_mem.backends.jax.batches import ArrayBatches
 from keras_tpu_mem.backends.mesh import axis_size
 
 _PLATFORM_KIND = {"tpu": "TPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "cpu": "CPU"}
@@ -199,7 +199,7 @@ class Placement:
         local = jax.process_index()
         return [(f"{self.kind}:{d.id}", d) for d in self.devices if d.process_index == local]
 
-    def batches(self, dataset, global_batch_size: int, drop_remainder: bool):
+    def batches(self, dataset, global_batch_size: int, drop_remainder: bool, seed=None):
         """`ArrayBatches` of arrays, or a batched `tf.data.Dataset` for a `tf.data` input."""
         if type(dataset).__module__.startswith("tensorflow"):
             # Only a tf.data input brings TensorFlow in; a JAX run never imports it.
@@ -216,7 +216,7 @@ class Placement:
                 f"where TensorFlow is installed); got {type(dataset).__name__}.") from err
         return ArrayBatches(data, global_batch_size, drop_remainder=drop_remainder,
                             process_index=jax.process_index(),
-                            process_count=jax.process_count())
+                            process_count=jax.process_count(), seed=seed)
 
     def state_bytes(self, variables) -> int:
         """Bytes of `variables` one device holds, from their values' shardings."""

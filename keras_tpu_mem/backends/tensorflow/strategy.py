@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.array_batches import ArrayBatches
 from keras_tpu_mem.backends.tensorflow.cluster import (
     mirrored_logical_cpus,
     resolve_tpu_address,
@@ -168,8 +169,19 @@ class Placement:
         # there is no GPU, so its one replica runs on the CPU.
         return [(name, name) for name in names or ["CPU:0"]]
 
-    def batches(self, dataset, global_batch_size: int, drop_remainder: bool):
-        """A batched, prefetched `tf.data.Dataset` of `dataset`'s single examples."""
+    def batches(self, dataset, global_batch_size: int, drop_remainder: bool, seed=None):
+        """A batched, prefetched `tf.data.Dataset` of `dataset`'s single examples; with
+        `seed`, `ArrayBatches` of arrays in each epoch's `EpochOrder` (a
+        `keras.utils.PyDataset`: Keras ends its epochs from the fit loop, where a tf.data
+        pipeline's prefetch would read the next epoch's first rows before it ends)."""
+        if seed is not None:
+            try:
+                data = keras.tree.map_structure(np.asarray, dataset)
+            except Exception as err:
+                raise TypeError("With `seed`, `dataset` must be arrays / a tuple or dict of "
+                                f"arrays; got {type(dataset).__name__}.") from err
+            return ArrayBatches(data, global_batch_size, drop_remainder=drop_remainder,
+                                seed=seed)
         if not isinstance(dataset, tf.data.Dataset):
             try:
                 dataset = tf.data.Dataset.from_tensor_slices(dataset)

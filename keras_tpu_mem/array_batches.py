@@ -1,14 +1,19 @@
-"""Global batches of in-memory arrays fed by every process, on JAX.
+"""Global batches of in-memory arrays, in their order or in each epoch's `EpochOrder`.
 
-JAX only (contract: `keras_tpu_mem.backends.contracts.Batches`): under
+`TPUStrategyWrapper.distribute` returns them: on JAX for arrays (under
 `keras.distribution` each process feeds its own share of every global batch, which
-`ArrayBatches` slices out of arrays (`strategy.Placement.batches`). TensorFlow's
-`tf.distribute` splits a `tf.data` dataset over the replicas itself.
+`ArrayBatches` slices out), and on both backends for arrays with `seed=` (each
+epoch's rows in an `EpochOrder`; Keras calls `on_epoch_end` at the end of every epoch
+from its fit loop, so the order moves on with the epochs and with nothing else). No
+framework is imported here; TensorFlow's `tf.distribute` splits a `tf.data` dataset
+over the replicas itself.
 """
 
 from __future__ import annotations
 
 import keras
+
+from keras_tpu_mem.epoch_order import EpochOrder
 
 
 class ArrayBatches(keras.utils.PyDataset):
@@ -25,12 +30,17 @@ class ArrayBatches(keras.utils.PyDataset):
         drop_remainder: Drop the last partial batch.
         process_index, process_count: This process's place among the
             processes that feed the distribution.
+        seed: Take each epoch's rows in the order of an `EpochOrder` of this
+            seed (the `epoch_order` attribute): a pure function of the seed and
+            the epoch, which moves on at `on_epoch_end` after a pass that read
+            the last batch, or is set (`ResumableCheckpoint` sets it to `fit`'s
+            epoch). None: the rows in their order.
 
     Example:
 
     ```python
     import numpy as np
-    from keras_tpu_mem.backends.jax.batches import ArrayBatches
+    from keras_tpu_mem.array_batches import ArrayBatches
 
     batches = ArrayBatches(np.arange(40), 8, process_index=1, process_count=2)
     batches[1]   # array([12, 13, 14, 15]): process 1's half of rows 8-15
@@ -38,9 +48,10 @@ class ArrayBatches(keras.utils.PyDataset):
     """
 
     def __init__(self, data, global_batch_size, *, drop_remainder=True,
-                 process_index=0, process_count=1):
+                 process_index=0, process_count=1, seed=None):
         super().__init__()
         self.data = data
+        self._read_last = False
         leaves = keras.tree.flatten(data)
         if not leaves:
             raise ValueError("`dataset` holds no arrays.")
@@ -61,6 +72,8 @@ class ArrayBatches(keras.utils.PyDataset):
             raise ValueError(
                 f"`dataset` has {self.num_examples} examples, fewer than one global batch of "
                 f"{global_batch_size}.")
+        #: The `EpochOrder` of the rows (with `seed`), or None.
+        self.epoch_order = None if seed is None else EpochOrder(self.num_examples, seed)
 
     def __len__(self):
         return self._batches
@@ -73,5 +86,14 @@ class ArrayBatches(keras.utils.PyDataset):
         share = (stop - start) // self.process_count
         begin = start + self.process_index * share
         rows = slice(begin, begin + share)
+        if self.epoch_order is not None:
+            rows = self.epoch_order.rows(rows.start, rows.stop)
+            self._read_last = self._read_last or index == self._batches - 1
         batch = keras.tree.map_structure(lambda a: a[rows], self.data)
         return tuple(batch) if isinstance(batch, list) else batch
+
+    def on_epoch_end(self):
+        # Keras also calls this once before a fit's first epoch, with nothing read.
+        if self.epoch_order is not None and self._read_last:
+            self.epoch_order.pass_done()
+        self._read_last = False
