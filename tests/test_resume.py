@@ -359,3 +359,42 @@ def test_distribute_seed_refuses_a_tf_data_dataset():
 
     with pytest.raises(TypeError, match="cannot be reordered by index"):
         ktm.TPUStrategyWrapper().distribute(tf.data.Dataset.range(16), 8, seed=1)
+
+
+def test_monitors_count_no_step_for_skipped_batches_and_the_restart_continues_the_run(
+        tmp_path):
+    """A restarted fit with `ThroughputMonitor` and `HBMMonitor`: the resumed epoch's
+    skipped batches count no step (the monitors' steps end at the optimizer's
+    `iterations`, not beyond), and the report reads the restart as a resumed attempt of
+    the same training run, starting where the checkpoint was."""
+    from keras_tpu_mem.report.timeline import load_timeline, split_training_runs
+
+    x, y = _xy()
+    logs, directory = str(tmp_path / "logs"), str(tmp_path / "checkpoints")
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 13:
+                raise RuntimeError("preempted")
+
+    def callbacks():
+        return [ktm.ResumableCheckpoint(directory, every=3, asynchronous=False),
+                ktm.ThroughputMonitor(logs, warmup_steps=0), ktm.HBMMonitor(logs)]
+
+    with pytest.raises(RuntimeError, match="preempted"):
+        _small_model().fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                           callbacks=[*callbacks(), Stop()])
+    model = _small_model(seed=3)
+    model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=callbacks())
+    assert int(model.optimizer.iterations.numpy()) == 24
+    for subdir in ("ktm_throughput", "ktm_memory"):
+        path = os.path.join(logs, subdir, "timeline.jsonl")
+        with open(path) as f:
+            raw = [json.loads(line) for line in f]
+        second = [r for r in raw if r.get("attempt") == raw[-1]["attempt"]]
+        # Saved at update 11 (epoch 2, batch 3): batches 0-2 of epoch 2 are skipped.
+        assert second[0]["begin_step"] == 11, subdir
+        assert max(r["step"] for r in second) == 24, subdir
+        assert min(r["step"] for r in second) > 11, subdir
+        runs = split_training_runs(load_timeline(path))
+        assert len(runs) == 1 and len(runs[0].attempts) == 2, subdir

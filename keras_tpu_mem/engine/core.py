@@ -165,6 +165,7 @@ class _SkippingTrainFunction(_StandIn):
     def __call__(self, *args, **kwargs):
         count, self.engine._skip_count = self.engine._skip_count, 0
         if count:
+            self.engine.skipped_calls += 1
             return self.engine.backend_step.skip_call(args, count)
         return self.inner(*args, **kwargs)
 
@@ -187,6 +188,9 @@ class Engine:
         self._observers: list[Callable] = []
         self._window_position = 0
         self._skip_count = 0
+        #: Train-function calls skipped so far (a resumed fit's earlier batches): a
+        #: callback that counts steps tells a skipped call from a step by it.
+        self.skipped_calls = 0
         self._engaged = False
         self.num_builds = 0
         #: Global batch of the first step of the current fit with features (for
@@ -195,6 +199,11 @@ class Engine:
         self.backend_step = self.backend.trainer.Step(self)
 
     # ------------------------------------------------------------ attachment
+    @classmethod
+    def of(cls, model) -> Engine | None:
+        """The model's engine if one is attached, else None (creates nothing)."""
+        return getattr(model, cls._ATTR, None)
+
     @classmethod
     def attach(cls, model) -> Engine:
         """Returns the model's engine, creating it on first use."""

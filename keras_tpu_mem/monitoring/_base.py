@@ -101,7 +101,9 @@ class _StepCounter:
     per execution of `steps_per_execution` steps. The last execution of an
     epoch may hold fewer steps than `last - first + 1`; it is clamped to the
     epoch's length where Keras knows it (`params["steps"]`). The global step
-    starts from the optimizer's `iterations`, so it continues after a resume.
+    starts from the optimizer's `iterations`, so it continues after a resume; a call
+    the engine skipped (the earlier batches of an epoch `ResumableCheckpoint` resumed
+    mid-way) counts no step.
     """
 
     def __init__(self, model, params):
@@ -113,6 +115,7 @@ class _StepCounter:
         #: training runs in one folder apart by it).
         self.begin_step: int | None = None
         self._begin = 0
+        self._skipped_before = 0
 
     def _start(self):
         self.step = _read_iterations(self._model)
@@ -121,14 +124,25 @@ class _StepCounter:
     def epoch_begin(self):
         self._begin = 0
 
+    def _skipped_calls(self) -> int:
+        from keras_tpu_mem.engine import Engine
+
+        engine = Engine.of(self._model)
+        return engine.skipped_calls if engine is not None else 0
+
     def batch_begin(self, batch):
         if self.step is None:
             self._start()
         self._begin = int(batch)
+        self._skipped_before = self._skipped_calls()
 
     def batch_end(self, batch) -> int:
+        """The steps this call ran (0 for a call the engine skipped)."""
         if self.step is None:
             self._start()
+        if self._skipped_calls() != self._skipped_before:
+            self._begin = int(batch) + 1
+            return 0
         last = int(batch)
         if self.epoch_steps:
             last = min(last, self.epoch_steps - 1)

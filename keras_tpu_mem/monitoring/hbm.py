@@ -391,7 +391,8 @@ class HBMMonitor(_MonitorBase):
         if self._counter is None:
             return
         prev = self._counter.current
-        self._counter.batch_end(batch)
+        if not self._counter.batch_end(batch):  # a skipped call of a resumed fit
+            return
         if not self._active or not self._should_log(self._first, prev, self._counter.current):
             return
         phase = "compile" if self._first else "train"

@@ -176,6 +176,8 @@ class ThroughputMonitor(_MonitorBase):
         self._exec_start = now
         prev = self._counter.current
         steps = self._counter.batch_end(batch)
+        if not steps:  # a skipped call of a resumed fit: no step ran
+            return
         warmup = self._steps_in_fit < self.warmup_steps
         self._steps_in_fit += steps
         if self._first:
