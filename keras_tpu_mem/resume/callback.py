@@ -150,14 +150,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self.resumed_from = None
         self._writer: threading.Thread | None = None
         self._write_error: BaseException | None = None
-        self._resume_at: tuple[int, int] | None = None
-        self._metrics_values = None
-        self._saved_global_batch = None
-        self._undo = None
-        self._epoch = 0
-        self._last_begin = None
-        self._skipping = False
-        self._epoch_order = None
+        # This fit's position and restore, set again at each on_train_begin.
+        self._resume_at = self._metrics_values = self._saved_global_batch = None
+        self._undo = self._last_begin = self._epoch_order = None
+        self._epoch, self._skipping = 0, False
 
     def get_config(self) -> dict:
         return {"directory": self.directory, "every": self.every, "keep": self.keep,
