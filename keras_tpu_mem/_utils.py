@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import sys
 
 
@@ -56,6 +57,14 @@ def check_positive_int(value, name: str) -> int:
     if value < 1:
         raise ValueError(f"`{name}` must be an int >= 1, got {value}.")
     return value
+
+
+def check_non_negative_int(value, name: str) -> int:
+    """Returns `value` as an int if it is an int >= 0 (numpy's too; bools refused), else
+    raises a `TypeError` naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise TypeError(f"`{name}` must be a non-negative int, got {value!r}.")
+    return int(value)
 
 
 def unique(items) -> list:

@@ -12,6 +12,7 @@ over the replicas itself.
 from __future__ import annotations
 
 import keras
+import numpy as np
 
 from keras_tpu_mem.epoch_order import EpochOrder
 
@@ -97,3 +98,13 @@ class ArrayBatches(keras.utils.PyDataset):
         if self.epoch_order is not None and self._read_last:
             self.epoch_order.pass_done()
         self._read_last = False
+
+
+def array_batches(dataset, global_batch_size: int, accepted: str, **options) -> ArrayBatches:
+    """`ArrayBatches(options)` of `dataset`'s leaves as numpy arrays; a `TypeError` saying
+    that `dataset` must be `accepted` where they cannot be read as arrays."""
+    try:
+        data = keras.tree.map_structure(np.asarray, dataset)
+    except Exception as err:
+        raise TypeError(f"`dataset` must be {accepted}; got {type(dataset).__name__}.") from err
+    return ArrayBatches(data, global_batch_size, **options)

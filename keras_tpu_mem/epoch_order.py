@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from keras_tpu_mem._utils import check_positive_int
+from keras_tpu_mem._utils import check_non_negative_int, check_positive_int
 
 
 class EpochOrder:
@@ -44,10 +44,8 @@ class EpochOrder:
 
     def __init__(self, num_examples: int, seed: int):
         check_positive_int(num_examples, "num_examples")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise TypeError(f"`seed` must be a non-negative int, got {seed!r}.")
         self.num_examples = int(num_examples)
-        self.seed = int(seed)
+        self.seed = check_non_negative_int(seed, "seed")
         self._epoch = 0
         self._permutation = None
         # Keras' JAX iterator and tf.data's prefetch read from other threads.
@@ -60,11 +58,10 @@ class EpochOrder:
 
     def set_epoch(self, epoch: int) -> None:
         """Makes `rows` give epoch `epoch`'s order (0-based, as `fit` counts)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise TypeError(f"`epoch` must be a non-negative int, got {epoch!r}.")
+        epoch = check_non_negative_int(epoch, "epoch")
         with self._lock:
-            if int(epoch) != self._epoch:
-                self._epoch, self._permutation = int(epoch), None
+            if epoch != self._epoch:
+                self._epoch, self._permutation = epoch, None
 
     def pass_done(self) -> None:
         """The current epoch's examples were all read: the next pass is the next epoch."""

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 
 from keras_tpu_mem import backends, devices
-from keras_tpu_mem._utils import check_positive_int, logger, unique
+from keras_tpu_mem._utils import check_non_negative_int, check_positive_int, logger, unique
 from keras_tpu_mem.devices.units import tensor_bytes
 from keras_tpu_mem.sharding.distribution import ShardedDataParallel, sharding_concern
 from keras_tpu_mem.sharding.rule import check_shard
@@ -220,8 +220,7 @@ class TPUStrategyWrapper:
         if not isinstance(drop_remainder, bool):
             raise TypeError(f"`drop_remainder` must be a bool, got {drop_remainder!r}.")
         if seed is not None:
-            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-                raise TypeError(f"`seed` must be a non-negative int or None, got {seed!r}.")
+            check_non_negative_int(seed, "seed")
             if type(dataset).__module__.startswith("tensorflow"):
                 raise TypeError(
                     "`seed` orders arrays (an array, or a tuple or dict of arrays); a "

@@ -102,7 +102,7 @@ def installed(backend: str) -> bool:
 def xdist_args(workers: int, pytest_args: list[str]) -> list[str]:
     """pytest-xdist's arguments for `workers` processes: none for one worker, where
     pytest-xdist is not installed, or where the caller chose its own (`-n`, `-p no:xdist`)."""
-    chosen = any(a == "-n" or a.startswith(("-n", "--numprocesses", "--dist"))
+    chosen = any(a.startswith(("-n", "--numprocesses", "--dist"))
                  or a == "no:xdist" for a in pytest_args)
     if workers <= 1 or chosen or importlib.util.find_spec("xdist") is None:
         return []

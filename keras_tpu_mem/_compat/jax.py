@@ -78,7 +78,7 @@ def compile_for_memory(lowered, platform: str, options=None):
     return lowered.compile(merged or None)
 
 
-def compile_with_dump(lowered, directory: str, platform: str = ""):
+def compile_with_dump(lowered, directory: str, platform: str = "", options=None):
     """`lowered.compile()` that also writes XLA's view of the optimized module to `directory`.
 
     jax 0.10.2 passes a dict of XLA debug options to `Lowered.compile(compiler_options)`;
@@ -88,10 +88,11 @@ def compile_with_dump(lowered, directory: str, platform: str = ""):
     with the peak (`*after_optimizations-live-range.txt`). `xla_dump_hlo_pass_re`
     matching no pass keeps the per-pass dumps out; the backend's code files
     (LLVM IR, objects on CPU) are still written, so `directory` is a scratch folder.
+    `options`: more compile options (XLA:TPU's reserve, `tpu_topology.compile_options`).
     """
     return compile_for_memory(lowered, platform,
-                              {"xla_dump_to": directory, "xla_dump_hlo_pass_re": "^$",
-                               "xla_dump_hlo_as_text": True})
+                              {**(options or {}), "xla_dump_to": directory,
+                               "xla_dump_hlo_pass_re": "^$", "xla_dump_hlo_as_text": True})
 
 
 # --------------------------------------------------------- Keras distribution

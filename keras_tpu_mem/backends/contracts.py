@@ -587,6 +587,16 @@ class TpuTopology(Protocol):
         capacity a plan on the slice is held to (cached per device kind)."""
         ...
 
+    def reserving_hbm(self, nbytes: int):
+        """A context: XLA:TPU compiles made in it leave `nbytes` of each device's HBM
+        free (a plan's headroom, which XLA:TPU then schedules within)."""
+        ...
+
+    def compile_options(self, reserved_bytes: int | None = None) -> dict:
+        """XLA:TPU's compile options for a compile leaving `reserved_bytes` of HBM free
+        (None: one made now, as `reserving_hbm` says)."""
+        ...
+
 
 class Data(Protocol):
     """TensorFlow only: `tf.data` as user input, on either Keras backend. A

@@ -116,19 +116,22 @@ class _StepCounter:
         self.begin_step: int | None = None
         self._begin = 0
         self._skipped_before = 0
+        self._engine = None
 
     def _start(self):
+        from keras_tpu_mem.engine import Engine
+
         self.step = _read_iterations(self._model)
         self.begin_step = self.step
+        # Looked up once, at the first batch: every `on_train_begin` (the engine's
+        # install, a resume's skipping) has run by then.
+        self._engine = Engine.of(self._model)
 
     def epoch_begin(self):
         self._begin = 0
 
     def _skipped_calls(self) -> int:
-        from keras_tpu_mem.engine import Engine
-
-        engine = Engine.of(self._model)
-        return engine.skipped_calls if engine is not None else 0
+        return self._engine.skipped_calls if self._engine is not None else 0
 
     def batch_begin(self, batch):
         if self.step is None:

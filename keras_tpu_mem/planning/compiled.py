@@ -268,8 +268,10 @@ class Compiler:
             return {}
 
     def _key(self, xs, ys, features, keras_step) -> tuple:
+        # XLA:TPU's peak depends on the HBM it may use (`CompileTarget.reserved_bytes`).
+        reserved = self.target.reserved_bytes if self.target is not None else 0
         return (_state_key(self.user_model, xs, ys, features), self.backend.cache_scope(),
-                keras_step)
+                keras_step, reserved)
 
     def compile_global(self, global_batch: int, features=(),
                        hlo_text: bool = False, keras_step: bool | None = None,

@@ -30,8 +30,8 @@ from keras_tpu_mem.planning.memory_plan import (
 )
 from keras_tpu_mem.planning.search import MAX_COMPILE_BATCH, compiled_plan
 from keras_tpu_mem.planning.specs import _spec_bytes, _unique, _variable_bytes
+from keras_tpu_mem.planning.target import reserve_note, slice_budget
 from keras_tpu_mem.planning.target import resolve as resolve_target
-from keras_tpu_mem.planning.target import slice_budget
 
 # Per-replica batches planned by compiling them directly: at most this.
 _MAX_DIRECT_BATCH = 64
@@ -387,6 +387,12 @@ def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accum
     notes = [] if target_note is None else [target_note]
     # On JAX per replica = per data-parallel shard of the active distribution,
     # and every byte count is one device's (see `Compiler.__call__`).
+    if target is not None:
+        # XLA:TPU schedules to the HBM it is given: the headroom is reserved in its
+        # compiles, so that what it compiles fits the usable part (`tpu_topology`).
+        target = target.with_headroom(headroom)
+        if target.reserved_bytes:
+            notes.append(reserve_note(target, headroom, "plan"))
     compiler = Compiler(model, x_spec, y_spec, what="plan", sample_batch=sample_batch,
                         target=target)
     if compiler.copied:

@@ -59,6 +59,9 @@ class CompileTarget:
         capacity_bytes: One device's HBM as XLA:TPU counts it (what it calls
             "available HBM" when a program does not fit).
         mesh: Axis sizes that override the mesh rule, or None.
+        reserved_bytes: HBM per device that XLA:TPU's compiles leave free (a plan's
+            headroom, `with_headroom`): XLA:TPU schedules a program to the memory it
+            is given, so a headroom is reserved in the compile itself.
     """
 
     tpu: object  # devices.tpu_slices.TPUSlice
@@ -66,6 +69,13 @@ class CompileTarget:
     libtpu: str
     capacity_bytes: int
     mesh: tuple | None = None
+    reserved_bytes: int = 0
+
+    def with_headroom(self, headroom: float) -> CompileTarget:
+        """This target with `headroom` (a fraction of `capacity_bytes`) reserved: its
+        compiles may use `capacity_bytes * (1 - headroom)`, what a plan calls usable."""
+        usable = int(self.capacity_bytes * (1.0 - float(headroom)))
+        return dataclasses.replace(self, reserved_bytes=self.capacity_bytes - usable)
 
     @property
     def label(self) -> str:
@@ -139,6 +149,17 @@ def resolve(device, compiler: str, what: str, mesh=None):
     capacity = topology.xla_capacity(devices)
     return CompileTarget(tpu, devices, topology.libtpu_version() or "?", capacity,
                          mesh), None
+
+
+def reserve_note(target: CompileTarget, headroom: float, what: str) -> str:
+    """The plan's line saying that its headroom was reserved in XLA:TPU's compiles."""
+    from keras_tpu_mem.devices.units import format_bytes
+
+    options = backends.current(what).tpu_topology.compile_options(target.reserved_bytes)
+    option = ", ".join(options)
+    return (f"XLA:TPU compiled with {format_bytes(target.reserved_bytes)} of each device's "
+            f"HBM reserved (the {headroom:.0%} headroom, libtpu's {option}): it schedules "
+            "the step within the rest, and its peak grows with the memory it is given.")
 
 
 def slice_budget(target: CompileTarget, replicas: int):
@@ -249,11 +270,13 @@ def compiling_for(model, target: CompileTarget | None, active, what: str = "plan
     from keras_tpu_mem.sharding.layouts import proposed_layouts
 
     distribution = target_distribution(target, active, what)
+    topology = backends.current(what).tpu_topology
     # Whatever a compile creates (feature state, a mask) is created without a value:
     # the slice's devices cannot hold one.
-    with deferring(), proposed_layouts(model, distribution):
+    with deferring(), proposed_layouts(model, distribution), \
+            topology.reserving_hbm(target.reserved_bytes):
         yield distribution
 
 
 __all__ = ["COMPILERS", "CompileTarget", "check_compiler", "compiling_for", "host_label",
-           "resolve", "slice_budget", "target_distribution"]
+           "reserve_note", "resolve", "slice_budget", "target_distribution"]

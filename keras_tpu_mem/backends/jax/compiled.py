@@ -30,6 +30,7 @@ import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem.backends.contracts import CompileRefused
+from keras_tpu_mem.backends.jax import reducers, tpu_topology
 from keras_tpu_mem.backends.jax.layout import (
     make_state_layout,
     partitioner_shards_state,
@@ -224,6 +225,8 @@ class _PreparedStep:
     def __init__(self, lowered, platform: str, devices: int, error=None):
         self.lowered, self.platform, self.devices = lowered, platform, devices
         self.error = error  # the lowering's exception, raised as the compile's
+        # Read here, on the caller's thread: the compile may run on another.
+        self.options = tpu_topology.compile_options() if platform == "TPU" else {}
 
 
 def prepare_step(model, xs, ys, features, compile_context,
@@ -248,12 +251,16 @@ def prepare_step(model, xs, ys, features, compile_context,
         shardings = jax.tree_util.tree_map(lambda s: s.sharding, state)
         # Without features, a TPU's SPMD partitioner shards Keras' own step (as `fit`
         # leaves it there: `Step.owns_step`).
+        shard_map_only = keras_step is False
         if keras_step is None:
             keras_step = not features and partitioner_shards_state()
         sharded = (not keras_step and model.optimizer is not None
                    and make_state_layout(model, shardings))
-        step = (backend_step.make_step(jit=False, state_shardings=shardings)
-                if features or sharded else model.train_step)
+        # `keras_step=False`: the engine's `shard_map` step even where one micro-batch
+        # on a TPU mesh would be Keras' step (`reducers.in_shard_map`).
+        with reducers.in_shard_map() if shard_map_only else contextlib.nullcontext():
+            step = (backend_step.make_step(jit=False, state_shardings=shardings)
+                    if features or sharded else model.train_step)
         if out_shardings is not None and step is not model.train_step:
             # A step whose features carry state (pruning masks) returns it after the
             # model's: XLA lays that out as it likes, as it does in `fit`.
@@ -280,7 +287,7 @@ def _compile_in_background(prepared: _PreparedStep, meanwhile):
         _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="ktm-xla-compile")
     future = _COMPILER_THREAD.submit(jax_compat.compile_for_memory, prepared.lowered,
-                                     prepared.platform)
+                                     prepared.platform, prepared.options)
     try:
         meanwhile()
     finally:
@@ -313,9 +320,11 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
     elif error is None:
         try:
             if dump:
-                compiled, texts = _compile_dumped(prepared.lowered, platform)
+                compiled, texts = _compile_dumped(prepared.lowered, platform,
+                                                  prepared.options)
             else:
-                compiled = jax_compat.compile_for_memory(prepared.lowered, platform)
+                compiled = jax_compat.compile_for_memory(prepared.lowered, platform,
+                                                         prepared.options)
         except Exception as err:
             error = err
     if error is not None:
@@ -346,10 +355,10 @@ _DUMPED = {"hlo": "after_optimizations.txt",
            "live": "after_optimizations-live-range.txt"}
 
 
-def _compile_dumped(lowered, platform):
+def _compile_dumped(lowered, platform, options=None):
     """Compiles with XLA's dump in a scratch folder and reads the three files back."""
     with tempfile.TemporaryDirectory(prefix="ktm-xla-dump-") as directory:
-        compiled = jax_compat.compile_with_dump(lowered, directory, platform)
+        compiled = jax_compat.compile_with_dump(lowered, directory, platform, options)
         names = os.listdir(directory)
         texts = {}
         for key, suffix in _DUMPED.items():

@@ -26,10 +26,9 @@ import os
 
 import jax
 import keras
-import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem.array_batches import ArrayBatches
+from keras_tpu_mem.array_batches import array_batches
 from keras_tpu_mem.backends.jax import sharding
 from keras_tpu_mem.backends.mesh import axis_size
 
@@ -208,15 +207,10 @@ class Placement:
             if isinstance(dataset, tf.data.Dataset):
                 return dataset.batch(global_batch_size, drop_remainder=drop_remainder
                                      ).prefetch(tf.data.AUTOTUNE)
-        try:
-            data = keras.tree.map_structure(np.asarray, dataset)
-        except Exception as err:
-            raise TypeError(
-                "`dataset` must be arrays / a tuple or dict of arrays (or a tf.data.Dataset "
-                f"where TensorFlow is installed); got {type(dataset).__name__}.") from err
-        return ArrayBatches(data, global_batch_size, drop_remainder=drop_remainder,
-                            process_index=jax.process_index(),
-                            process_count=jax.process_count(), seed=seed)
+        return array_batches(
+            dataset, global_batch_size, "arrays / a tuple or dict of arrays (or a "
+            "tf.data.Dataset where TensorFlow is installed)", drop_remainder=drop_remainder,
+            process_index=jax.process_index(), process_count=jax.process_count(), seed=seed)
 
     def state_bytes(self, variables) -> int:
         """Bytes of `variables` one device holds, from their values' shardings."""

@@ -322,3 +322,38 @@ def xla_capacity(devices) -> int:
         else:
             raise RuntimeError(f"XLA compiled 4 TiB for one {kind}: no capacity to read.")
     return _CAPACITY[kind]
+
+
+#: HBM per device that XLA:TPU leaves free in the compiles `compile_options` describes
+#: (`reserving_hbm`): 0 outside.
+_RESERVED_HBM = [0]
+
+#: libtpu's option for HBM "reserved by the user": XLA:TPU schedules the program within
+#: the rest, and refuses it where it cannot.
+_RESERVE_OPTION = "xla_tpu_user_reserved_hbm_bytes"
+
+
+@contextlib.contextmanager
+def reserving_hbm(nbytes: int):
+    """Compiles for a TPU made in the block leave `nbytes` of each device's HBM free.
+
+    XLA:TPU schedules a program to the memory it is given: its peak is not what the
+    program needs but what the scheduler used of the HBM it could use (the 6.71B MLP of
+    docs/planning.md under `ShardedDataParallel()` on v5e-16 compiled to 14.99 GiB per
+    chip against the whole 15.75 GiB, to 13.36 GiB with 1.575 GiB reserved and to 9.03
+    GiB with 6 GiB reserved). A plan's headroom is therefore reserved in XLA:TPU's own
+    compile (`xla_tpu_user_reserved_hbm_bytes`), not subtracted from a compile against
+    the whole chip. Nests; the previous reserve comes back at the end."""
+    previous = _RESERVED_HBM[0]
+    _RESERVED_HBM[0] = max(0, int(nbytes))
+    try:
+        yield
+    finally:
+        _RESERVED_HBM[0] = previous
+
+
+def compile_options(reserved_bytes: int | None = None) -> dict:
+    """XLA:TPU's options for a compile that leaves `reserved_bytes` of HBM free (None: a
+    compile made now, as `reserving_hbm` says); empty for none."""
+    reserved = _RESERVED_HBM[0] if reserved_bytes is None else int(reserved_bytes)
+    return {_RESERVE_OPTION: reserved} if reserved > 0 else {}

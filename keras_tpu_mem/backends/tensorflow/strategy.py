@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_tpu_mem._utils import logger
-from keras_tpu_mem.array_batches import ArrayBatches
+from keras_tpu_mem.array_batches import array_batches
 from keras_tpu_mem.backends.tensorflow.cluster import (
     mirrored_logical_cpus,
     resolve_tpu_address,
@@ -175,13 +175,9 @@ class Placement:
         `keras.utils.PyDataset`: Keras ends its epochs from the fit loop, where a tf.data
         pipeline's prefetch would read the next epoch's first rows before it ends)."""
         if seed is not None:
-            try:
-                data = keras.tree.map_structure(np.asarray, dataset)
-            except Exception as err:
-                raise TypeError("With `seed`, `dataset` must be arrays / a tuple or dict of "
-                                f"arrays; got {type(dataset).__name__}.") from err
-            return ArrayBatches(data, global_batch_size, drop_remainder=drop_remainder,
-                                seed=seed)
+            return array_batches(dataset, global_batch_size,
+                                 "arrays / a tuple or dict of arrays with `seed`",
+                                 drop_remainder=drop_remainder, seed=seed)
         if not isinstance(dataset, tf.data.Dataset):
             try:
                 dataset = tf.data.Dataset.from_tensor_slices(dataset)
