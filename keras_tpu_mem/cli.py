@@ -182,9 +182,10 @@ def checkpoints_table(directory: str, now: float | None = None) -> str:
     """What `keras-tpu-mem checkpoints DIR` prints: one row per complete checkpoint of a
     `ResumableCheckpoint` directory (the one a restart resumes from marked), oldest
     first, and a line for each folder a restart would skip."""
-    from keras_tpu_mem.resume.store import scan
+    from keras_tpu_mem.resume.store import is_remote, scan
 
-    if not os.path.isdir(directory):
+    # A remote directory (gs://) is read through the backend's file API.
+    if not is_remote(directory) and not os.path.isdir(directory):
         raise ValueError(f"{directory!r} is not a directory.")
     found, skipped = scan(directory)
     now = time.time() if now is None else now

@@ -59,3 +59,13 @@ def test_state_spread_over_processes_is_refused_at_train_begin(tmp_path, monkeyp
                   callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=1)])
     assert {id(v) for v in model.variables} <= {id(v) for v in seen}
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_remote_directory_no_file_system_writes_is_refused_up_front():
+    """On JAX remote paths go through fsspec: a scheme it does not know is refused when
+    the callback is made, naming it (TensorFlow's file systems answer at the first
+    write)."""
+    import keras_tpu_mem as ktm
+
+    with pytest.raises(ValueError, match="fsspec cannot write nosuchfs:// paths"):
+        ktm.ResumableCheckpoint("nosuchfs://bucket/run")

@@ -473,11 +473,11 @@ class Sharding(Protocol):
 
 class Storage(Protocol):
     """Files, local and remote (`gs://`), for the monitors' and the event writer's
-    output."""
+    output and `ResumableCheckpoint`'s remote directories."""
 
     def gfile(self):
-        """A module-like object with `GFile(path, mode)`, `exists`, `makedirs`,
-        `rename(src, dst, overwrite=)`."""
+        """A module-like object with `GFile(path, mode)`, `exists`, `isdir`, `listdir`,
+        `makedirs`, `rename(src, dst, overwrite=)` and `rmtree`."""
         ...
 
     def remote_path_problem(self, path: str) -> str | None:

@@ -21,6 +21,7 @@ import time
 
 import keras
 
+from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int, logger, unique
 from keras_tpu_mem.engine import Engine, FitRefused, observe_first_batch
@@ -99,11 +100,14 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     What it does not restore: other callbacks' own Python state (e.g.
     `EarlyStopping`'s patience counter). This release writes one process's arrays
-    to a local directory (`numpy`'s format, one host); multi-host (Orbax) and
-    `gs://` directories are not supported yet.
+    to a directory (`numpy`'s format, one host), local or remote: `gs://bucket/run`
+    goes through `tf.io.gfile` on TensorFlow and fsspec on JAX (`pip install gcsfs`),
+    with `checkpoint.json` written last (object stores rename no folders).
+    Multi-host (Orbax) checkpoints are not supported yet.
 
     Args:
-        directory: Local directory of the checkpoints (created if missing).
+        directory: Directory of the checkpoints (created if missing): a local path or
+            a remote one (`gs://...`).
         every: Save every this many optimizer updates (and at each epoch end).
         keep: How many of the newest checkpoints to keep.
         asynchronous: Write the files on a background thread: the step waits only for
@@ -134,10 +138,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             raise TypeError(f"`directory` must be a path (str or os.PathLike), got "
                             f"{type(directory).__name__}.")
         directory = os.fspath(directory)
-        if "://" in directory:
-            raise ValueError(f"`directory` must be a local path; got {directory!r}. Remote "
-                             "directories (gs://) are not supported yet: save locally and "
-                             "copy, or mount the bucket (gcsfuse).")
+        problem = store.is_remote(directory) and (
+            backends.current("ResumableCheckpoint").storage.remote_path_problem(directory))
+        if problem:
+            raise ValueError(f"`directory` {directory!r} is a remote path, and {problem}. "
+                             "Save to a local directory, or mount the bucket (gcsfuse).")
         check_positive_int(every, "every")
         check_positive_int(keep, "keep")
         if not isinstance(asynchronous, bool):

@@ -11,6 +11,14 @@ previous complete one, with a warning naming it.
 
 Arrays are stored as bytes plus their dtype's name, so dtypes numpy's own
 format does not know (bfloat16) come back as they went in, bit for bit.
+
+Remote directories (`gs://bucket/run`, any `scheme://`) are written through the
+backend's file API (`tf.io.gfile` on TensorFlow; fsspec on JAX, `gcsfs` for
+`gs://`), which has no atomic rename of a folder: there `state.npz` is written
+into the checkpoint's own folder first and `checkpoint.json` last, so a folder
+without `checkpoint.json` is a save cut short and is skipped. `state.npz` is
+written and hashed in a local temporary file and copied up (local disk, not a
+second copy in host memory), and read back the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -92,39 +101,78 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def is_remote(path: str) -> bool:
+    """Whether `path` names a remote file system (`gs://...`): no atomic folder rename."""
+    return "://" in path
+
+
+def _files():
+    """The backend's file API (`Storage.gfile()`), for remote paths."""
+    from keras_tpu_mem import backends
+
+    return backends.current("ResumableCheckpoint").storage.gfile()
+
+
+def _exists(path: str) -> bool:
+    return _files().exists(path) if is_remote(path) else os.path.exists(path)
+
+
+def _isdir(path: str) -> bool:
+    return _files().isdir(path) if is_remote(path) else os.path.isdir(path)
+
+
+def _listdir(path: str) -> list[str]:
+    if not is_remote(path):
+        return os.listdir(path)
+    return [name.rstrip("/") for name in _files().listdir(path)]
+
+
+def _rmtree(path: str) -> None:
+    if not is_remote(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif _files().exists(path):
+        _files().rmtree(path)
+
+
+def _save_npz(path: str, arrays: dict) -> None:
+    with open(path, "wb") as handle:
+        np.savez(handle, **arrays)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _copy(src: str, dst: str) -> None:
+    """Copies one file in 1 MiB chunks, either side local or remote."""
+    def opened(path, mode):
+        return _files().GFile(path, mode) if is_remote(path) else open(path, mode)
+
+    with opened(src, "rb") as source, opened(dst, "wb") as target:
+        for chunk in iter(lambda: source.read(1 << 20), b""):
+            target.write(chunk)
+
+
 def write_checkpoint(directory: str, update: int, groups: dict[str, list], meta: dict) -> str:
     """Writes one checkpoint and returns its folder.
 
     Args:
-        directory: The checkpoints' directory (created if missing).
+        directory: The checkpoints' directory (created if missing), local or remote
+            (`gs://...`, see the module's docstring).
         update: The update count; names the folder (`update-000000120`).
         groups: Group name -> list of `(path, numpy array)` in a fixed order.
         meta: JSON-serialisable position of the run (`epoch`, `batch` are required).
     """
-    os.makedirs(directory, exist_ok=True)
     name = f"{_PREFIX}{update:09d}"
+    arrays, entries = _flat_arrays(groups)
+    if is_remote(directory):
+        return _write_remote(directory, name, update, arrays, entries, meta)
+    os.makedirs(directory, exist_ok=True)
     final = os.path.join(directory, name)
     partial = os.path.join(directory, f"{_PARTIAL}{name}")
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    arrays, entries = {}, {}
-    for group, pairs in groups.items():
-        entries[group] = []
-        for index, (path, value) in enumerate(pairs):
-            value = np.asarray(value)  # not ascontiguousarray: it makes a scalar 1-D
-            if not value.flags.c_contiguous:
-                value = value.copy(order="C")
-            key = f"{group}/{index}"
-            arrays[key] = value.reshape(-1).view(np.uint8)
-            entries[group].append({"path": path, "shape": list(value.shape),
-                                   "dtype": value.dtype.name})
     state = os.path.join(partial, _STATE)
-    with open(state, "wb") as handle:
-        np.savez(handle, **arrays)
-        handle.flush()
-        os.fsync(handle.fileno())
-    record = dict(meta, format=FORMAT_VERSION, update=int(update), saved_at=time.time(),
-                  size_bytes=os.path.getsize(state), sha256=_sha256(state), arrays=entries)
+    _save_npz(state, arrays)
+    record = _record(meta, update, state, entries)
     with open(os.path.join(partial, _META), "w") as handle:
         json.dump(record, handle, indent=1)
         handle.flush()
@@ -136,19 +184,63 @@ def write_checkpoint(directory: str, update: int, groups: dict[str, list], meta:
     return final
 
 
+def _write_remote(directory, name, update, arrays, entries, meta) -> str:
+    """`write_checkpoint` where folders cannot be renamed: `checkpoint.json` last."""
+    files = _files()
+    final = os.path.join(directory, name)
+    with tempfile.TemporaryDirectory(prefix="ktm-checkpoint-") as scratch:
+        state = os.path.join(scratch, _STATE)
+        _save_npz(state, arrays)
+        record = _record(meta, update, state, entries)
+        # The same update saved again (a resumed run's epoch end): until its
+        # `checkpoint.json` is written again the folder reads as cut short.
+        _rmtree(final)
+        files.makedirs(final)
+        _copy(state, os.path.join(final, _STATE))
+    with files.GFile(os.path.join(final, _META), "w") as handle:
+        handle.write(json.dumps(record, indent=1))
+    return final
+
+
+def _record(meta: dict, update: int, state: str, entries: dict) -> dict:
+    return dict(meta, format=FORMAT_VERSION, update=int(update), saved_at=time.time(),
+                size_bytes=os.path.getsize(state), sha256=_sha256(state), arrays=entries)
+
+
+def _flat_arrays(groups: dict[str, list]) -> tuple[dict, dict]:
+    """`(npz key -> the array's bytes as uint8, group -> entries of checkpoint.json)`."""
+    arrays, entries = {}, {}
+    for group, pairs in groups.items():
+        entries[group] = []
+        for index, (path, value) in enumerate(pairs):
+            value = np.asarray(value)  # not ascontiguousarray: it makes a scalar 1-D
+            if not value.flags.c_contiguous:
+                value = value.copy(order="C")
+            key = f"{group}/{index}"
+            arrays[key] = value.reshape(-1).view(np.uint8)
+            entries[group].append({"path": path, "shape": list(value.shape),
+                                   "dtype": value.dtype.name})
+    return arrays, entries
+
+
 def read_info(path: str) -> CheckpointInfo:
     """The `CheckpointInfo` of one checkpoint folder, without reading its arrays.
 
     Raises:
         CorruptCheckpoint: `checkpoint.json` is missing or unreadable.
     """
+    meta_path = os.path.join(path, _META)
     try:
-        with open(os.path.join(path, _META)) as handle:
-            meta = json.load(handle)
+        if is_remote(path):
+            with _files().GFile(meta_path, "r") as handle:
+                meta = json.loads(handle.read())
+        else:
+            with open(meta_path) as handle:
+                meta = json.load(handle)
         return CheckpointInfo(path=path, epoch=int(meta["epoch"]), batch=int(meta["batch"]),
                               update=int(meta["update"]), saved_at=float(meta["saved_at"]),
                               size_bytes=int(meta["size_bytes"]), meta=meta)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except Exception as err:  # any file system's "not found" (tf.errors too) or bad JSON
         raise CorruptCheckpoint(f"{path}: {_META} is missing or unreadable ({err})") from err
 
 
@@ -159,8 +251,17 @@ def read_arrays(info: CheckpointInfo) -> dict[str, list]:
         CorruptCheckpoint: `state.npz` is missing or does not match its checksum.
     """
     state = os.path.join(info.path, _STATE)
-    if not os.path.exists(state):
+    if not _exists(state):
         raise CorruptCheckpoint(f"{info.path}: {_STATE} is missing")
+    if not is_remote(state):
+        return _read_npz(info, state)
+    with tempfile.TemporaryDirectory(prefix="ktm-checkpoint-") as scratch:
+        local = os.path.join(scratch, _STATE)
+        _copy(state, local)
+        return _read_npz(info, local)
+
+
+def _read_npz(info: CheckpointInfo, state: str) -> dict[str, list]:
     if _sha256(state) != info.meta.get("sha256"):
         raise CorruptCheckpoint(f"{info.path}: {_STATE} does not match its SHA-256 in {_META}")
     groups = {}
@@ -178,16 +279,20 @@ def scan(directory: str) -> tuple[list[CheckpointInfo], list[str]]:
     """`(complete checkpoints oldest update first, why each other folder is left out)`:
     partial folders (a save cut short) and folders whose `checkpoint.json` cannot be
     read. A missing directory holds none."""
-    if not os.path.isdir(directory):
+    if not _isdir(directory):
         return [], []
     found, skipped = [], []
-    for name in sorted(os.listdir(directory)):
+    for name in sorted(_listdir(directory)):
         path = os.path.join(directory, name)
-        if name.startswith(_PARTIAL):
+        cut_short = name.startswith(_PARTIAL) or (
+            # A remote checkpoint is complete once its `checkpoint.json` is written.
+            is_remote(path) and name.startswith(_PREFIX)
+            and not _exists(os.path.join(path, _META)))
+        if cut_short:
             skipped.append(f"Skipping {path}: a checkpoint whose save was cut short (the "
                            "process ended mid-save).")
             continue
-        if not name.startswith(_PREFIX) or not os.path.isdir(path):
+        if not name.startswith(_PREFIX) or not _isdir(path):
             continue
         try:
             found.append(read_info(path))
@@ -237,9 +342,12 @@ def latest_complete(directory: str) -> tuple[CheckpointInfo, dict] | None:
 
 
 def prune(directory: str, keep: int) -> None:
-    """Deletes all but the `keep` newest complete checkpoints, and partial folders."""
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        if name.startswith(_PARTIAL):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    """Deletes all but the `keep` newest complete checkpoints, and partial folders (none
+    is being written: saves and prunes take turns)."""
+    for name in _listdir(directory) if _isdir(directory) else []:
+        path = os.path.join(directory, name)
+        if name.startswith(_PARTIAL) or (is_remote(path) and name.startswith(_PREFIX)
+                                         and not _exists(os.path.join(path, _META))):
+            _rmtree(path)
     for info in list_checkpoints(directory, warn=False)[:-keep]:
-        shutil.rmtree(info.path, ignore_errors=True)
+        _rmtree(info.path)

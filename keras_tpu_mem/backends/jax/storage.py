@@ -4,7 +4,8 @@ TensorBoard's `tensorboard.compat.tf` loads the real TensorFlow whenever it is
 installed (seconds of start-up, hundreds of MiB, and on a GPU machine its CUDA
 libraries, inside a JAX run); its stub `gfile` reads and writes local paths and
 every fsspec file system (`gs://` with gcsfs installed) without it. It has no
-`rename`: `gfile()` here is the stub with one added, through fsspec for remote paths.
+`rename` nor `rmtree`: `gfile()` here is the stub with both added, through fsspec for
+remote paths.
 
 Contract: `keras_tpu_mem.backends.contracts.Storage`.
 """
@@ -12,6 +13,7 @@ Contract: `keras_tpu_mem.backends.contracts.Storage`.
 from __future__ import annotations
 
 import os
+import shutil
 import types
 
 from tensorboard.compat.tensorflow_stub.io import gfile as _stub
@@ -29,12 +31,23 @@ def _rename(src: str, dst: str, overwrite: bool = False) -> None:
     fs.mv(src_path, fsspec.core.url_to_fs(dst)[1])
 
 
-_GFILE = types.SimpleNamespace(GFile=_stub.GFile, exists=_stub.exists,
-                               makedirs=_stub.makedirs, rename=_rename)
+def _rmtree(path: str) -> None:
+    if "://" not in path:
+        shutil.rmtree(path)
+        return
+    import fsspec
+
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    fs.rm(fs_path, recursive=True)
+
+
+_GFILE = types.SimpleNamespace(GFile=_stub.GFile, exists=_stub.exists, isdir=_stub.isdir,
+                               listdir=_stub.listdir, makedirs=_stub.makedirs,
+                               rename=_rename, rmtree=_rmtree)
 
 
 def gfile():
-    """TensorBoard's stub `gfile` with `rename` added."""
+    """TensorBoard's stub `gfile` with `rename` and `rmtree` added."""
     return _GFILE
 
 
