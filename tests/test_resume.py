@@ -9,6 +9,7 @@ with the default asynchronous saves. One body per behaviour, on both backends.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -127,7 +128,13 @@ def test_arrays_come_back_with_their_dtype_and_shape(tmp_path):
     for (name, want), (got_name, got) in zip(values, groups["g"]):
         assert got_name == name and got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
-    assert json.load(open(os.path.join(path, "checkpoint.json")))["update"] == 3
+    record = json.load(open(os.path.join(path, "checkpoint.json")))
+    assert record["update"] == 3
+    # Hashed while written (no seeking back): the file's own digest and size.
+    with open(os.path.join(path, "state.npz"), "rb") as handle:
+        written = handle.read()
+    assert record["sha256"] == hashlib.sha256(written).hexdigest()
+    assert record["size_bytes"] == len(written)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -134,11 +135,39 @@ def _rmtree(path: str) -> None:
         _files().rmtree(path)
 
 
-def _save_npz(path: str, arrays: dict) -> None:
+class _HashingWriter(io.RawIOBase):
+    """A write-only stream that hashes what passes to `handle`. It says it cannot seek,
+    so `zipfile` (under `np.savez`) streams its entries with data descriptors instead
+    of seeking back to patch their headers: the SHA-256 is the written file's without
+    reading it again (200 MB: 0.61 against 0.69 s here, page cache warm)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.handle.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+
+def _save_npz(path: str, arrays: dict) -> tuple[int, str]:
+    """Writes `arrays` as an `.npz` at `path` (synced); returns its `(size, SHA-256)`."""
     with open(path, "wb") as handle:
-        np.savez(handle, **arrays)
+        stream = _HashingWriter(handle)
+        np.savez(stream, **arrays)
         handle.flush()
         os.fsync(handle.fileno())
+    return stream.size, stream.digest.hexdigest()
 
 
 def _copy(src: str, dst: str) -> None:
@@ -170,9 +199,7 @@ def write_checkpoint(directory: str, update: int, groups: dict[str, list], meta:
     partial = os.path.join(directory, f"{_PARTIAL}{name}")
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    state = os.path.join(partial, _STATE)
-    _save_npz(state, arrays)
-    record = _record(meta, update, state, entries)
+    record = _record(meta, update, _save_npz(os.path.join(partial, _STATE), arrays), entries)
     with open(os.path.join(partial, _META), "w") as handle:
         json.dump(record, handle, indent=1)
         handle.flush()
@@ -190,8 +217,7 @@ def _write_remote(directory, name, update, arrays, entries, meta) -> str:
     final = os.path.join(directory, name)
     with tempfile.TemporaryDirectory(prefix="ktm-checkpoint-") as scratch:
         state = os.path.join(scratch, _STATE)
-        _save_npz(state, arrays)
-        record = _record(meta, update, state, entries)
+        record = _record(meta, update, _save_npz(state, arrays), entries)
         # The same update saved again (a resumed run's epoch end): until its
         # `checkpoint.json` is written again the folder reads as cut short.
         _rmtree(final)
@@ -202,9 +228,10 @@ def _write_remote(directory, name, update, arrays, entries, meta) -> str:
     return final
 
 
-def _record(meta: dict, update: int, state: str, entries: dict) -> dict:
+def _record(meta: dict, update: int, written: tuple[int, str], entries: dict) -> dict:
+    size, sha256 = written
     return dict(meta, format=FORMAT_VERSION, update=int(update), saved_at=time.time(),
-                size_bytes=os.path.getsize(state), sha256=_sha256(state), arrays=entries)
+                size_bytes=size, sha256=sha256, arrays=entries)
 
 
 def _flat_arrays(groups: dict[str, list]) -> tuple[dict, dict]:
