@@ -11,6 +11,9 @@ for real and, with libtpu installed, with libtpu's loader made to fail.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -316,7 +319,27 @@ def test_the_plans_headroom_is_reserved_in_xla_tpus_compile():
     assert planned.compiler.startswith("XLA:TPU")
     assert whole_chip.total_bytes > planned.usable_bytes
     assert planned.fits and planned.total_bytes <= planned.usable_bytes, str(planned)
-    assert "HBM reserved" in str(planned) and "xla_tpu_user_reserved_hbm_bytes" in str(planned)
+    reserved = planned.capacity_bytes - planned.usable_bytes
+    assert f'LIBTPU_INIT_ARGS="--xla_tpu_user_reserved_hbm_bytes={reserved}"' in str(planned)
+    # What the note tells a run to set: libtpu reads the same reserve from its flags, and
+    # a compile that passes no option of its own then holds what the plan compiled.
+    script = (
+        "import os, sys, jax, keras, keras_tpu_mem as ktm\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from test_planning_target_jax import _mlp\n"
+        "from keras_tpu_mem.shapes import shapes_only\n"
+        "with ktm.ShardedDataParallel(jax.devices()[:8]).scope():\n"
+        "    with shapes_only():\n"
+        "        model = _mlp(8192, 8)\n"
+        "    print(ktm.compiled_memory(model, 256, device='v5e-8', hlo_text=False)"
+        ".total_bytes)\n")
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               LIBTPU_INIT_ARGS=f"--xla_tpu_user_reserved_hbm_bytes={reserved}")
+    out = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) == planned.total_bytes
 
 
 @needs_libtpu

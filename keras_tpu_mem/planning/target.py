@@ -156,10 +156,11 @@ def reserve_note(target: CompileTarget, headroom: float, what: str) -> str:
     from keras_tpu_mem.devices.units import format_bytes
 
     options = backends.current(what).tpu_topology.compile_options(target.reserved_bytes)
-    option = ", ".join(options)
+    flags = " ".join(f"--{name}={value}" for name, value in options.items())
     return (f"XLA:TPU compiled with {format_bytes(target.reserved_bytes)} of each device's "
-            f"HBM reserved (the {headroom:.0%} headroom, libtpu's {option}): it schedules "
-            "the step within the rest, and its peak grows with the memory it is given.")
+            f"HBM reserved (the {headroom:.0%} headroom): it schedules the step within the "
+            "rest, and its peak grows with the memory it is given. For the run to keep "
+            f"the same headroom, set LIBTPU_INIT_ARGS=\"{flags}\" before JAX starts.")
 
 
 def slice_budget(target: CompileTarget, replicas: int):
