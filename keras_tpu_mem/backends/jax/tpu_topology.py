@@ -304,7 +304,7 @@ def xla_capacity(devices) -> int:
     import numpy as np
 
     from keras_tpu_mem.backends.contracts import CompileRefused
-    from keras_tpu_mem.backends.jax.compiled import is_out_of_memory
+    from keras_tpu_mem.backends.jax.profiler import is_out_of_memory
 
     kind = devices[0].device_kind
     if kind not in _CAPACITY:
