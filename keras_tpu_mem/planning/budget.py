@@ -29,6 +29,14 @@ class DeviceBudget:
     source: str
 
 
+def usable_bytes(capacity_bytes: int, headroom: float) -> int:
+    """The bytes a plan may use of `capacity_bytes` once `headroom` (a fraction of
+    it, kept free for what the plan does not model) is set aside. Every budget of a
+    plan (its verdict, the search's and the bytes XLA:TPU's compile may use) is
+    this one figure, so they agree to the byte."""
+    return int(capacity_bytes * (1.0 - float(headroom)))
+
+
 def resolve_device(device, replicas: int | None = None) -> DeviceBudget:
     """Parses `device` for `plan`.
 

@@ -7,7 +7,7 @@ import dataclasses
 import textwrap
 
 from keras_tpu_mem import devices
-from keras_tpu_mem.planning.budget import DeviceBudget
+from keras_tpu_mem.planning.budget import DeviceBudget, usable_bytes
 
 
 def lever_callbacks(accumulation_steps: int, bf16: bool, rematerialize: bool,
@@ -251,7 +251,7 @@ class MemoryPlan:
     @property
     def usable_bytes(self) -> int:
         """Capacity minus the headroom kept for what the plan does not model."""
-        return int(self.device.capacity_bytes * (1.0 - self.headroom))
+        return usable_bytes(self.device.capacity_bytes, self.headroom)
 
     @property
     def total_bytes(self) -> int:

@@ -20,6 +20,7 @@ from keras_tpu_mem.planning.budget import (
     largest_batch,
     model_precision,
     resolve_device,
+    usable_bytes,
 )
 from keras_tpu_mem.planning.compiled import Compiler, check_callbacks
 from keras_tpu_mem.planning.memory_plan import (
@@ -329,7 +330,7 @@ def plan(
     data_bytes = _spec_bytes(compiler.specs(per_replica))
     accum = trainable if k > 1 else 0
     activation = int(round(act(micro)))
-    usable = int(budget_device.capacity_bytes * (1.0 - float(headroom)))
+    usable = usable_bytes(budget_device.capacity_bytes, headroom)
     state = weights + optimizer
     recommendation = _recommend(per_replica, usable, state, trainable, act, data_bytes, other)
 

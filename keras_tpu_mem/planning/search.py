@@ -36,6 +36,7 @@ from keras_tpu_mem.planning.budget import (
     divisors,
     largest_batch,
     model_precision,
+    usable_bytes,
 )
 from keras_tpu_mem.planning.by_layer_text import plan_table
 from keras_tpu_mem.planning.memory_plan import (
@@ -593,7 +594,7 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
     activation = temps - accum
     weights, optimizer = ref.weight_bytes, ref.optimizer_bytes
     other = int(total - weights - optimizer - accum - activation - data_bytes)
-    usable = int(budget_device.capacity_bytes * (1.0 - float(headroom)))
+    usable = usable_bytes(budget_device.capacity_bytes, headroom)
     trainable = _variable_bytes(_unique(user_model.trainable_weights))
     if step.extrapolated:
         act = ActivationModel(tuple((r.batch_size, r.temp_bytes - r.accumulator_bytes)

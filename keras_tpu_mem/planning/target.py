@@ -33,6 +33,7 @@ import numpy as np
 
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem.planning.budget import usable_bytes
 
 #: `compiler=` values: XLA:TPU where the device names a TPU slice and libtpu loads
 #: (`"auto"`), XLA:TPU or an error (`"tpu"`), the host's XLA (`"host"`).
@@ -74,7 +75,7 @@ class CompileTarget:
     def with_headroom(self, headroom: float) -> CompileTarget:
         """This target with `headroom` (a fraction of `capacity_bytes`) reserved: its
         compiles may use `capacity_bytes * (1 - headroom)`, what a plan calls usable."""
-        usable = int(self.capacity_bytes * (1.0 - float(headroom)))
+        usable = usable_bytes(self.capacity_bytes, headroom)
         return dataclasses.replace(self, reserved_bytes=self.capacity_bytes - usable)
 
     @property

@@ -302,6 +302,15 @@ def _read_npz(info: CheckpointInfo, state: str) -> dict[str, list]:
     return groups
 
 
+def _cut_short(path: str, name: str) -> bool:
+    """Whether the folder `name` at `path` is a save cut short: a local `.partial-`
+    folder, or a remote checkpoint folder without its `checkpoint.json` (a remote
+    checkpoint is complete once that file, written last, is there)."""
+    return name.startswith(_PARTIAL) or (
+        is_remote(path) and name.startswith(_PREFIX)
+        and not _exists(os.path.join(path, _META)))
+
+
 def scan(directory: str) -> tuple[list[CheckpointInfo], list[str]]:
     """`(complete checkpoints oldest update first, why each other folder is left out)`:
     partial folders (a save cut short) and folders whose `checkpoint.json` cannot be
@@ -311,11 +320,7 @@ def scan(directory: str) -> tuple[list[CheckpointInfo], list[str]]:
     found, skipped = [], []
     for name in sorted(_listdir(directory)):
         path = os.path.join(directory, name)
-        cut_short = name.startswith(_PARTIAL) or (
-            # A remote checkpoint is complete once its `checkpoint.json` is written.
-            is_remote(path) and name.startswith(_PREFIX)
-            and not _exists(os.path.join(path, _META)))
-        if cut_short:
+        if _cut_short(path, name):
             skipped.append(f"Skipping {path}: a checkpoint whose save was cut short (the "
                            "process ended mid-save).")
             continue
@@ -373,8 +378,7 @@ def prune(directory: str, keep: int) -> None:
     is being written: saves and prunes take turns)."""
     for name in _listdir(directory) if _isdir(directory) else []:
         path = os.path.join(directory, name)
-        if name.startswith(_PARTIAL) or (is_remote(path) and name.startswith(_PREFIX)
-                                         and not _exists(os.path.join(path, _META))):
+        if _cut_short(path, name):
             _rmtree(path)
     for info in list_checkpoints(directory, warn=False)[:-keep]:
         _rmtree(info.path)
