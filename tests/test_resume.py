@@ -212,6 +212,86 @@ def test_a_fit_stopped_mid_epoch_resumes_bit_exact_from_a_remote_directory(
         assert np.max(np.abs(got - want)) == 0.0
 
 
+class _NumberedBatches(keras.utils.PyDataset):
+    """Batch `i` of `num_batches` (None: endless) is filled with `i`."""
+
+    def __init__(self, num_batches):
+        super().__init__()
+        self._num_batches = num_batches
+
+    @property
+    def num_batches(self):
+        return self._num_batches
+
+    def __getitem__(self, index):
+        return np.full((2, 4), index, "float32"), np.zeros((2, 3), "float32")
+
+
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+@pytest.mark.parametrize("num_batches, steps_per_epoch, per_call", [
+    (8, 3, 1), (8, 3, 2), (8, 5, 2), (8, 8, 1), (None, 3, 2), (6, None, 2)])
+def test_epoch_start_batches_is_where_keras_epoch_iterator_starts_each_epoch(
+        num_batches, steps_per_epoch, per_call):
+    """`_compat.keras.epoch_start_batches` against Keras' own `EpochIterator` (the
+    reference, read here only): the first batch of each of 5 epochs (batch `i` holds
+    `i`, counted from the start of the data's current pass) is the count it gives, with
+    `steps_per_epoch` shorter than the data (a stream across epochs, ending an epoch
+    early at the data's end), endless data, and none."""
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    from keras_tpu_mem._compat import keras as keras_compat
+
+    iterator = EpochIterator(_NumberedBatches(num_batches), steps_per_epoch=steps_per_epoch,
+                             steps_per_execution=per_call)
+    got = []
+    for _ in range(5):
+        firsts = [int(np.asarray(batches[0][0])[0, 0])
+                  for _, _, batches in iterator.enumerate_epoch()]
+        got.append(firsts[0])
+    want = [keras_compat.epoch_start_batches(epoch, steps_per_epoch, num_batches, per_call)
+            for epoch in range(5)]
+    assert got == want
+
+
+def _stream(kind, x, y):
+    """`(fit's data arguments)`: arrays in batches of 8, or endless batches of the same
+    examples (a repeated tf.data.Dataset on TensorFlow, a PyDataset on JAX)."""
+    if kind == "arrays":
+        return {"x": x, "y": y, "batch_size": 8}
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()}
+    return {"x": _EndlessBatches(x, y, 8)}
+
+
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")
+@pytest.mark.parametrize("kind, stop_at, resumed", [
+    ("arrays", 6, (5, 1, 2)), ("arrays", 8, (6, 2, 0)), ("endless", 8, (6, 2, 0))])
+def test_steps_per_epoch_shorter_than_the_data_resumes_where_the_data_was(
+        kind, stop_at, resumed, tmp_path):
+    """With `steps_per_epoch` (3) shorter than the data (8 batches, or endless) one
+    iterator runs on across epochs, and epoch 2 of the arrays ends early at their end:
+    a restart at a later epoch first reads on to where the uninterrupted run's data was
+    (`_compat.keras.position_fit_data`), mid-epoch and at an epoch's start, and ends
+    equal to the run never stopped."""
+    x, y = _xy()
+    fit = dict(_stream(kind, x, y), epochs=4, steps_per_epoch=3, shuffle=False, verbose=0)
+    reference = _small_model()
+    reference.fit(**fit)
+    with pytest.raises(RuntimeError, match="preempted"):
+        _small_model().fit(**fit, callbacks=[
+            ktm.ResumableCheckpoint(str(tmp_path), every=2, asynchronous=False),
+            resume_cases.StopAt(stop_at, kill=False)])
+    restarted = _small_model(seed=7)
+    checkpoint = ktm.ResumableCheckpoint(str(tmp_path), every=2)
+    restarted.fit(**dict(fit, **_stream(kind, x, y)), callbacks=[checkpoint])
+    found = checkpoint.resumed_from
+    assert (found.update, found.epoch, found.batch) == resumed
+    _assert_bit_exact(dict(enumerate(restarted.get_weights())),
+                      dict(enumerate(reference.get_weights())))
+
+
 def _small_model(seed=0):
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])

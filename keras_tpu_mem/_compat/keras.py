@@ -160,24 +160,88 @@ def fit_data(model) -> _FitData | None:
     `shuffle` and `py_dataset`, `TFDatasetAdapter` with `_dataset`, ...), so it is read
     from that call's frame. `shuffled` is True for `fit(shuffle=True)` with arrays or a
     PyDataset of known length."""
+    adapter = getattr(_fit_epoch_iterator(model), "data_adapter", None)
+    if adapter is None:
+        return None
+    name = type(adapter).__name__
+    shuffled, source = False, None
+    if name == "ArrayDataAdapter":
+        shuffled = bool(getattr(adapter, "_shuffle", False))
+    elif name == "PyDatasetAdapter":
+        source = adapter.py_dataset
+        shuffled = bool(adapter.shuffle) and source.num_batches is not None
+    elif name == "TFDatasetAdapter":
+        source = getattr(adapter, "_dataset", None)
+    return _FitData(_DATA_KINDS.get(name, name), shuffled, source)
+
+
+def _fit_epoch_iterator(model):
+    """The `EpochIterator` of the `fit` running on `model` (3.12-3.16: the local
+    `epoch_iterator` of `Trainer.fit` on every backend), read from that call's frame;
+    None outside a fit."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-            adapter = getattr(frame.f_locals.get("epoch_iterator"), "data_adapter", None)
-            if adapter is None:
-                return None
-            name = type(adapter).__name__
-            shuffled, source = False, None
-            if name == "ArrayDataAdapter":
-                shuffled = bool(getattr(adapter, "_shuffle", False))
-            elif name == "PyDatasetAdapter":
-                source = adapter.py_dataset
-                shuffled = bool(adapter.shuffle) and source.num_batches is not None
-            elif name == "TFDatasetAdapter":
-                source = getattr(adapter, "_dataset", None)
-            return _FitData(_DATA_KINDS.get(name, name), shuffled, source)
+            return frame.f_locals.get("epoch_iterator")
         frame = frame.f_back
     return None
+
+
+def epoch_start_batches(epoch: int, steps_per_epoch: int | None, num_batches: int | None,
+                        steps_per_execution: int) -> int:
+    """How many batches of its current pass over the data an uninterrupted `fit` has
+    read when epoch `epoch` (0-based) begins.
+
+    Keras' `EpochIterator._enumerate_iterator` (3.12-3.16) makes a new iterator at
+    every epoch unless `steps_per_epoch` is given; then one iterator runs on across
+    epochs (a stream: `dataset.repeat()`, or data longer than an epoch), ending an
+    epoch early once `num_batches` (the data's batches, when known) are read and
+    starting the next pass at the following epoch. This replays that rule, counting
+    in calls of `steps_per_execution` batches as Keras does."""
+    if not steps_per_epoch:
+        return 0
+    calls = len(range(0, steps_per_epoch, steps_per_execution))
+    seen = 0
+    for _ in range(epoch):
+        if num_batches:
+            left = -(-(num_batches - seen) // steps_per_execution)  # calls before the end
+            seen += min(calls, max(left, 0)) * steps_per_execution
+            if seen >= num_batches:
+                seen = 0
+        else:
+            seen += calls * steps_per_execution
+    return seen
+
+
+def position_fit_data(model, epoch: int) -> int:
+    """Puts the data of the `fit` running on `model`, which a restart began at epoch
+    `epoch`, where an uninterrupted fit's data is when that epoch begins; returns the
+    batches read to get there (none unless `steps_per_epoch` makes the data a stream
+    across epochs). Called from the epoch's first `on_train_batch_begin`, after Keras
+    made the epoch's iterator and counted its first call, before that call reads.
+
+    Reads and sets `EpochIterator`'s `_current_iterator` and `_steps_seen` (3.12-3.16:
+    the iterator the epoch's calls read, and the batches read from it, which decides
+    where Keras ends an epoch and starts the next pass; see `epoch_start_batches`).
+
+    Raises:
+        RuntimeError: No running fit of `model` is found, or its iterator is not
+            Keras' as known here.
+    """
+    epoch_iterator = _fit_epoch_iterator(model)
+    if epoch_iterator is None or not hasattr(epoch_iterator, "_steps_seen"):
+        raise RuntimeError(
+            "keras_tpu_mem could not find the running fit's data iterator "
+            "(`EpochIterator._steps_seen`): it supports Keras 3.12-3.16.")
+    batches = epoch_start_batches(
+        epoch, epoch_iterator.steps_per_epoch, epoch_iterator._num_batches,
+        int(epoch_iterator.steps_per_execution))
+    if batches:
+        iterator = epoch_iterator._current_iterator
+        for _ in range(batches):
+            next(iterator)
+        epoch_iterator._steps_seen += batches
+    return batches
 
 
 def backend_trainer_class():

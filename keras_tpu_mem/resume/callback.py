@@ -89,7 +89,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     starts at its epoch, and the epoch's batches before its position are read and
     skipped without a step, so the data must come in the same order at every run:
     arrays with `shuffle=False`, or a `tf.data.Dataset` / `keras.utils.PyDataset` /
-    grain dataset whose order is fixed (or a pure function of the epoch). A Python
+    grain dataset whose order is fixed (or a pure function of the epoch). Where
+    `steps_per_epoch` is shorter than the data (a repeated dataset: Keras reads one
+    iterator on across epochs), the restart first reads on to where that epoch's data
+    began in the uninterrupted run. A Python
     generator (a restart starts it again at its first batch) and `fit(shuffle=True)`
     (a new random order at each run) are refused at `on_train_begin`, before any save
     or restore, also on the first run. A folder left half-written
@@ -158,7 +161,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # This fit's position and restore, set again at each on_train_begin.
         self._resume_at = self._metrics_values = self._saved_global_batch = None
         self._undo = self._last_begin = self._epoch_order = None
-        self._epoch, self._skipping = 0, False
+        self._epoch, self._skipping, self._position_pending = 0, False, False
 
     def get_config(self) -> dict:
         return {"directory": self.directory, "every": self.every, "keep": self.keep,
@@ -197,6 +200,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._engine.backend_step.check_state_readable(
             [v for variables in self._groups(model).values() for v in variables])
         self._resume_at = self._metrics_values = self._undo = None
+        self._position_pending = False
         self.resumed_from = None
         found = store.latest_complete(self.directory)
         if found is not None:
@@ -297,7 +301,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             # where a restarted fit starts at a later epoch than the data counted.
             self._epoch_order.set_epoch(epoch)
         resume = self._resume_at
-        if resume is None or epoch != resume[0] or resume[1] == 0:
+        if resume is None or epoch != resume[0]:
+            return
+        # Where the data of this epoch's first call stands (`on_train_batch_begin`).
+        self._position_pending = True
+        if resume[1] == 0:
             return
         # Keras reset the metrics just before this: give them the epoch's first batches.
         info, pairs = self._metrics_values
@@ -320,6 +328,15 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # Saves happen here, before the call of `batch`, not in on_train_batch_end:
         # a callback with a batch-end hook makes Keras wait for every step's logs
         # (no asynchronous dispatch), which costs a fast step more than the saves.
+        if self._position_pending:
+            # With `steps_per_epoch`, the data runs on across epochs: a restart's new
+            # iterator starts at the data's first batch, the uninterrupted run's
+            # further on.
+            self._position_pending = False
+            read = keras_compat.position_fit_data(self.model, self._epoch)
+            if read:
+                logger.info("ResumableCheckpoint: read %d batches to where epoch %d's "
+                            "data begins.", read, self._epoch + 1)
         if self._skipping:
             self._skip(batch)
             if self._skipping:
