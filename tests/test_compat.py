@@ -128,6 +128,22 @@ def test_epoch_start_batches_by_hand_and_no_position_outside_a_fit():
         keras_compat.position_fit_data(mlp(), 1)
 
 
+def test_dataset_shuffles_reads_each_shuffle_of_the_chain():
+    """`tf_compat.dataset_shuffles`: `(seeded, reshuffles)` of every `shuffle` under a
+    dataset, through batch/map/zip/repeat/prefetch; None for what is not a dataset.
+    (Without a global seed: the test's would seed every shuffle.)"""
+    tf.random.set_seed(None)
+    base = tf.data.Dataset.range(32)
+    assert tf_compat.dataset_shuffles(base.batch(4)) == []
+    assert tf_compat.dataset_shuffles(base.shuffle(8).batch(4).prefetch(2)) == [(False, True)]
+    seeded = base.shuffle(8, seed=3).map(lambda v: v + 1).repeat().batch(4)
+    assert tf_compat.dataset_shuffles(seeded) == [(True, True)]
+    fixed = base.shuffle(8, seed=3, reshuffle_each_iteration=False)
+    assert sorted(tf_compat.dataset_shuffles(tf.data.Dataset.zip((fixed, base.shuffle(4))))) \
+        == [(False, True), (True, False)]
+    assert tf_compat.dataset_shuffles(np.zeros(3)) is None
+
+
 def test_model_strategy(mirrored):
     assert keras_compat.model_strategy(mlp()) is None  # made outside any strategy scope
     with mirrored.strategy.scope():

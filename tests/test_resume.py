@@ -255,13 +255,16 @@ def test_epoch_start_batches_is_where_keras_epoch_iterator_starts_each_epoch(
 
 def _stream(kind, x, y):
     """`(fit's data arguments)`: arrays in batches of 8, or endless batches of the same
-    examples (a repeated tf.data.Dataset on TensorFlow, a PyDataset on JAX)."""
+    examples (a shuffled, repeated tf.data.Dataset on TensorFlow, a PyDataset on JAX)."""
     if kind == "arrays":
         return {"x": x, "y": y, "batch_size": 8}
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
-        return {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()}
+        # A seeded shuffle that reshuffles each repetition: one stream, the same at
+        # every run.
+        return {"x": tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=5)
+                .batch(8).repeat()}
     return {"x": _EndlessBatches(x, y, 8)}
 
 
@@ -276,16 +279,20 @@ def test_steps_per_epoch_shorter_than_the_data_resumes_where_the_data_was(
     (`_compat.keras.position_fit_data`), mid-epoch and at an epoch's start, and ends
     equal to the run never stopped."""
     x, y = _xy()
-    fit = dict(_stream(kind, x, y), epochs=4, steps_per_epoch=3, shuffle=False, verbose=0)
+    fit = dict(epochs=4, steps_per_epoch=3, shuffle=False, verbose=0)
+    # Each fit reads data of its own, as each run of a script does (a dataset's
+    # reshuffling seed generator goes on from one iteration to the next), made under
+    # the same global seed (a shuffle's order depends on it, as in a restarted script).
+    reference_data, stopped_data, restarted_data = (_stream(kind, x, y) for _ in range(3))
     reference = _small_model()
-    reference.fit(**fit)
+    reference.fit(**reference_data, **fit)
     with pytest.raises(RuntimeError, match="preempted"):
-        _small_model().fit(**fit, callbacks=[
+        _small_model().fit(**stopped_data, **fit, callbacks=[
             ktm.ResumableCheckpoint(str(tmp_path), every=2, asynchronous=False),
             resume_cases.StopAt(stop_at, kill=False)])
     restarted = _small_model(seed=7)
     checkpoint = ktm.ResumableCheckpoint(str(tmp_path), every=2)
-    restarted.fit(**dict(fit, **_stream(kind, x, y)), callbacks=[checkpoint])
+    restarted.fit(**restarted_data, **fit, callbacks=[checkpoint])
     found = checkpoint.resumed_from
     assert (found.update, found.epoch, found.batch) == resumed
     _assert_bit_exact(dict(enumerate(restarted.get_weights())),
@@ -474,6 +481,40 @@ def test_data_a_restart_cannot_read_again_in_order_is_refused_before_anything_ch
                   callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
     _assert_bit_exact(dict(enumerate(model.get_weights())), dict(enumerate(before)))
     assert model._initial_epoch is None
+
+
+@pytest.mark.tensorflow_only("a tf.data.Dataset's own shuffle")
+@pytest.mark.parametrize("shuffle, fit_kwargs, match", [
+    ({}, {"epochs": 1}, "shuffles without a seed"),
+    ({"seed": 1}, {"epochs": 2}, "reshuffle_each_iteration=True"),
+    # 8 batches a pass, 2 x 6 steps: a second pass, a second iterator.
+    ({"seed": 1}, {"epochs": 2, "steps_per_epoch": 6}, "reshuffle_each_iteration=True"),
+])
+def test_a_tf_data_shuffle_a_restart_would_draw_anew_is_refused(
+        tmp_path, shuffle, fit_kwargs, match):
+    """A tf.data.Dataset's shuffle without a seed, and a seeded one that reshuffles for
+    each of several passes, are refused at on_train_begin, before anything is written;
+    the same seeded shuffle over one pass (`epochs=1`) or with
+    `reshuffle_each_iteration=False` is accepted (and the endless, reshuffled stream
+    resumes bit for bit: `test_steps_per_epoch_shorter_than_the_data_...`)."""
+    import tensorflow as tf
+
+    x, y = _xy()
+    tf.random.set_seed(None)  # the test's seed would seed every shuffle (as it should)
+
+    def data(**options):
+        return (tf.data.Dataset.from_tensor_slices((x, y))
+                .shuffle(64, **dict(shuffle, **options)).batch(8))
+
+    refused = data()  # before the model: `_small_model` sets the global seed
+    with pytest.raises(ValueError, match=match):
+        _small_model().fit(refused, verbose=0, **fit_kwargs,
+                           callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+    assert os.listdir(tmp_path) == []
+    if shuffle:
+        for options, epochs in (({}, 1), ({"reshuffle_each_iteration": False}, 2)):
+            _small_model().fit(data(**options), epochs=epochs, verbose=0, callbacks=[
+                ktm.ResumableCheckpoint(str(tmp_path / str(epochs)), every=3)])
 
 
 def test_distribute_seed_orders_each_epoch_by_seed_and_epoch_alone():

@@ -148,6 +148,8 @@ class _FitData(NamedTuple):
     kind: str  # one of `_DATA_KINDS`' values, or the adapter's class name
     shuffled: bool  # whether Keras itself reorders the batches at each epoch
     source: object  # the PyDataset / tf.data.Dataset fit reads, or None for others
+    steps_per_epoch: int | None  # fit's `steps_per_epoch` (None: a pass per epoch)
+    num_batches: int | None  # the data's batches per pass, where Keras knows them
 
 
 def fit_data(model) -> _FitData | None:
@@ -157,10 +159,12 @@ def fit_data(model) -> _FitData | None:
     Keras keeps a fit's data adapter nowhere but in the call (3.12-3.16: the local
     `epoch_iterator` of `Trainer.fit` on every backend, an `EpochIterator` whose
     `data_adapter` is `ArrayDataAdapter` with `_shuffle`, `PyDatasetAdapter` with
-    `shuffle` and `py_dataset`, `TFDatasetAdapter` with `_dataset`, ...), so it is read
-    from that call's frame. `shuffled` is True for `fit(shuffle=True)` with arrays or a
-    PyDataset of known length."""
-    adapter = getattr(_fit_epoch_iterator(model), "data_adapter", None)
+    `shuffle` and `py_dataset`, `TFDatasetAdapter` with `_dataset`, ...; its
+    `steps_per_epoch` and `_num_batches`), so it is read from that call's frame.
+    `shuffled` is True for `fit(shuffle=True)` with arrays or a PyDataset of known
+    length."""
+    epoch_iterator = _fit_epoch_iterator(model)
+    adapter = getattr(epoch_iterator, "data_adapter", None)
     if adapter is None:
         return None
     name = type(adapter).__name__
@@ -172,7 +176,8 @@ def fit_data(model) -> _FitData | None:
         shuffled = bool(adapter.shuffle) and source.num_batches is not None
     elif name == "TFDatasetAdapter":
         source = getattr(adapter, "_dataset", None)
-    return _FitData(_DATA_KINDS.get(name, name), shuffled, source)
+    return _FitData(_DATA_KINDS.get(name, name), shuffled, source,
+                    epoch_iterator.steps_per_epoch, getattr(epoch_iterator, "_num_batches", None))
 
 
 def _fit_epoch_iterator(model):

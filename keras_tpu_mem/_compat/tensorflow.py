@@ -35,3 +35,30 @@ def per_replica_parts(value) -> list | None:
     if not parts or not isinstance(parts, (list, tuple)):
         return None
     return list(parts)
+
+
+def dataset_shuffles(dataset) -> list[tuple[bool, bool]] | None:
+    """`(seeded, reshuffles)` of each `shuffle` in the chain of datasets `dataset` is
+    made of (its inputs, their inputs, ...; not datasets made inside a function such as
+    an `interleave`'s); None where `dataset` is not a `tf.data.Dataset` read that way.
+
+    TF 2.19-2.21: `DatasetV2._inputs()` and `shuffle_op._ShuffleDataset`'s `_seed`,
+    `_seed2` (both 0 when neither the op nor `tf.random.set_seed` gave one: a new
+    order at every run) and `_reshuffle_each_iteration`. Read from the Python objects,
+    not the serialized graph, which would copy arrays the dataset holds."""
+    import numpy as np
+
+    if not callable(getattr(dataset, "_inputs", None)):
+        return None
+    found, pending, seen = [], [dataset], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if type(current).__name__ == "_ShuffleDataset":
+            seeds = [0 if s is None else int(np.asarray(s)) for s in (current._seed,
+                                                                      current._seed2)]
+            found.append((any(seeds), bool(current._reshuffle_each_iteration)))
+        pending.extend(current._inputs())
+    return found

@@ -35,17 +35,17 @@ _POSITIONABLE = ("arrays with `shuffle=False`, a keras.utils.PyDataset (batches 
                  "the same at every run")
 
 
-def _check_data(model):
+def _check_data(model, epochs: int):
     """Refuses data a restarted fit cannot read again in the same order, before
     anything is restored or saved; returns the data's `EpochOrder`, if it has one
-    (`TPUStrategyWrapper.distribute(seed=...)`)."""
+    (`TPUStrategyWrapper.distribute(seed=...)`). `epochs`: the fit's."""
     found = keras_compat.fit_data(model)
     if found is None:
         logger.warning(
             "ResumableCheckpoint could not tell what data this fit reads: a resume is "
             "exact only if it comes in the same order at every run (%s).", _POSITIONABLE)
         return None
-    kind, shuffled, source = found
+    kind, shuffled, source = found[:3]
     if kind == "Python generator":
         raise TypeError(
             "ResumableCheckpoint cannot position a Python generator (fit's `x`): a "
@@ -58,7 +58,39 @@ def _check_data(model):
             "the resumed epoch would train on other examples. Pass `shuffle=False` "
             "(and shuffle with TPUStrategyWrapper.distribute(..., seed=...): each "
             "epoch's order a function of the seed and the epoch).")
+    if kind == "tf.data.Dataset":
+        _check_tf_data_order(source, found, int(epochs))
     return getattr(source, "epoch_order", None)
+
+
+def _check_tf_data_order(dataset, found, epochs: int) -> None:
+    """Refuses a `tf.data.Dataset` whose own `shuffle` a restarted script would draw
+    anew: one without a seed, and a seeded one that reshuffles at each of the several
+    iterators Keras makes over this fit (one per epoch, or per pass over the data with
+    `steps_per_epoch`), whose count a restart starts afresh."""
+    from keras_tpu_mem._compat import tensorflow as tf_compat
+
+    shuffles = tf_compat.dataset_shuffles(dataset) or []
+    if any(not seeded for seeded, _ in shuffles):
+        raise ValueError(
+            "ResumableCheckpoint: the tf.data.Dataset shuffles without a seed "
+            "(`.shuffle(buffer_size)`), so a restarted script draws another order and the "
+            "resumed epoch would train on other examples. Give the shuffle a seed: "
+            "`.shuffle(buffer_size, seed=S)`, or `tf.random.set_seed(S)` before the "
+            "dataset is built.")
+    if not any(reshuffles for _, reshuffles in shuffles):
+        return
+    steps, batches = found.steps_per_epoch, found.num_batches
+    one_iterator = epochs <= 1 or (steps and (not batches or epochs * steps <= batches))
+    if not one_iterator:
+        raise ValueError(
+            "ResumableCheckpoint: the tf.data.Dataset's seeded shuffle reshuffles at each "
+            "pass (`reshuffle_each_iteration=True`, the default), and this fit makes a new "
+            "pass at each epoch: each pass's order comes from a count of the passes made "
+            "in this process, which a restarted script starts afresh (epoch 3 would be read "
+            "in epoch 1's order). Pass `reshuffle_each_iteration=False` (the same order "
+            "every epoch), or make the data one stream: `.repeat()` and `steps_per_epoch` "
+            "(the repeated passes' orders are then the same at every run).")
 
 
 def _build_optimizer(model) -> None:
@@ -192,7 +224,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._raise_write_error()
         model = self.model
-        self._epoch_order = _check_data(model)
+        self._epoch_order = _check_data(model, (self.params or {}).get("epochs") or 1)
         self._steps = (self.params or {}).get("steps")
         self._spe = int(getattr(model, "steps_per_execution", 1) or 1)
         self._engine = Engine.attach(model)
