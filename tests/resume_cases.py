@@ -21,6 +21,9 @@ import sys
 
 EPOCHS, BATCH, EXAMPLES, EVERY, DATA_SEED = 3, 32, 320, 5, 11
 JAX_CASES = ("dp8", "fsdp8")
+#: The cases fit under a `keras.distribution` (JAX), also `cluster`: `DataParallel` over
+#: a `jax.distributed` job's devices (tests/multiprocess_worker_jax.py).
+_KERAS_DISTRIBUTION_CASES = (*JAX_CASES, "cluster")
 TENSORFLOW_CASES = ("mirrored", "jit")
 
 
@@ -30,6 +33,12 @@ def _distribution(case):
         import keras
 
         return keras.distribution.DataParallel(devices=jax.devices()[:8]).scope()
+    if case == "cluster":  # every device of a jax.distributed job, each process its share
+        import jax
+        import keras
+
+        return keras.distribution.DataParallel(devices=jax.devices(),
+                                               auto_shard_dataset=False).scope()
     if case == "fsdp8":
         import jax
 
@@ -124,10 +133,10 @@ def train(case, directory=None, *, stop_at=None, kill=False, asynchronous=True, 
                                                      asynchronous=asynchronous))
         if stop_at is not None:
             callbacks.append(StopAt(stop_at, kill))
-        if case in JAX_CASES:
+        if case in _KERAS_DISTRIBUTION_CASES:
             history = student.fit(examples, epochs=EPOCHS, shuffle=False, verbose=0,
                                   callbacks=callbacks)
-    if case not in JAX_CASES:
+    if case not in _KERAS_DISTRIBUTION_CASES:
         history = student.fit(examples, epochs=EPOCHS, shuffle=False, verbose=0,
                               callbacks=callbacks)
     return student, callbacks, history

@@ -26,23 +26,31 @@ def test_saved_sharded_resumes_under_data_parallel(tmp_path):
                                    rtol=0, atol=1e-6, err_msg=key)
 
 
-def test_state_spread_over_processes_is_refused_at_train_begin(tmp_path, monkeypatch):
+def test_state_split_over_processes_is_refused_at_train_begin(tmp_path, monkeypatch):
     """Under `jax.distributed` every variable spans several processes' devices (not
-    fully addressable): refused by name in on_train_begin, before a save or restore,
-    not at the first save."""
+    fully addressable): one split over them (not replicated) is refused by name in
+    on_train_begin, before a save or restore, not at the first save; a replicated one
+    is read (a two-process job resumes: tests/test_multiprocess_jax.py)."""
     import keras
 
     import keras_tpu_mem as ktm
     from keras_tpu_mem.backends.jax.trainer import Step
 
     class Spread:
-        is_fully_addressable = False
+        is_fully_addressable, is_fully_replicated = False, False
+
+    class Replicated:
+        is_fully_addressable, is_fully_replicated = False, True
 
     class Variable:
         path, value = "dense/kernel", Spread()
 
-    with pytest.raises(ValueError, match=r"e\.g\. 'dense/kernel'\) are spread over several"):
-        Step.check_state_readable([Variable()])
+    class ReplicatedVariable:
+        path, value = "dense/bias", Replicated()
+
+    Step.check_state_readable([ReplicatedVariable()])
+    with pytest.raises(ValueError, match=r"e\.g\. 'dense/kernel'\) are split over several"):
+        Step.check_state_readable([ReplicatedVariable(), Variable()])
     seen, check = [], Step.check_state_readable
 
     def spread(variables):
@@ -54,7 +62,7 @@ def test_state_spread_over_processes_is_refused_at_train_begin(tmp_path, monkeyp
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     model.compile(optimizer="adam", loss="mse")
     x = np.zeros((16, 4), "float32")
-    with pytest.raises(ValueError, match="multi-process checkpoint"):
+    with pytest.raises(ValueError, match=r"split over processes \(Orbax\)"):
         model.fit(x, x[:, :3], batch_size=8, shuffle=False, verbose=0,
                   callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=1)])
     assert {id(v) for v in model.variables} <= {id(v) for v in seen}

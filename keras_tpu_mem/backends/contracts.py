@@ -543,7 +543,8 @@ class Trainer(Protocol):
     `abandon_call(args)`: a refused call's state put back into the variables,
     `state_values(variables)`: their values as numpy arrays outside the step,
     `check_state_readable(variables)`: a `ValueError` where `state_values` cannot read
-    them in this process)."""
+    them in this process, `writes_checkpoints()`: whether this process writes what it
+    reads (one process of a multi-process job does))."""
 
     def update_variable(self, variable, fn, *args):
         """Updates a model variable from inside the step, consistently on every replica:

@@ -134,11 +134,15 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     other examples).
 
     What it does not restore: other callbacks' own Python state (e.g.
-    `EarlyStopping`'s patience counter). This release writes one process's arrays
-    to a directory (`numpy`'s format, one host), local or remote: `gs://bucket/run`
+    `EarlyStopping`'s patience counter). This release writes the whole state from
+    one process to a directory (`numpy`'s format), local or remote: `gs://bucket/run`
     goes through `tf.io.gfile` on TensorFlow and fsspec on JAX (`pip install gcsfs`),
-    with `checkpoint.json` written last (object stores rename no folders).
-    Multi-host (Orbax) checkpoints are not supported yet.
+    with `checkpoint.json` written last (object stores rename no folders). In a
+    multi-process JAX job (a pod's hosts) whose state is replicated
+    (`keras.distribution.DataParallel`), process 0 writes and every process reads the
+    same checkpoint back at a restart: give them one directory they all see (`gs://`,
+    a shared disk). State split over the processes (`ShardedDataParallel` on a pod) is
+    refused at `on_train_begin`: its per-host checkpoint (Orbax) is not supported yet.
 
     Args:
         directory: Directory of the checkpoints (created if missing): a local path or
@@ -215,6 +219,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             seen.update(id(v) for v in groups[name])
         return groups
 
+    def _updates_made(self, model) -> int:
+        """`optimizer.iterations`, read as the state is (also in a multi-process job)."""
+        return int(self._engine.backend_step.state_values([model.optimizer.iterations])[0])
+
     def _values(self, variables) -> list:
         # Not through `self.model`: on JAX each read of that property syncs Keras' state.
         values = self._engine.backend_step.state_values(variables)
@@ -237,7 +245,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         found = store.latest_complete(self.directory)
         if found is not None:
             self._restore(model, *found)
-        self._base_update = int(keras.ops.convert_to_numpy(model.optimizer.iterations.value))
+        self._base_update = self._updates_made(model)
         self._last_saved = self._base_update
         self._batches = 0  # batches run since `_base_update` was read
         self._last_begin = None
@@ -411,15 +419,17 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     def _save(self, epoch: int, batch: int) -> None:
         model = self.model  # on JAX the property syncs the training state into the variables
-        update = int(keras.ops.convert_to_numpy(model.optimizer.iterations.value))
+        update = self._updates_made(model)
+        self._last_saved = self._base_update = update
+        self._batches = 0
+        if not self._engine.backend_step.writes_checkpoints():
+            return  # another process of the job writes the same (replicated) state
         groups = {name: self._values(variables)
                   for name, variables in self._groups(model).items()}
         meta = {"epoch": epoch, "batch": batch, "steps_per_epoch": self._steps,
                 "global_batch_size": self._global_batch,
                 "batches_per_update": self._engine.batches_per_update(),
                 "backend": self._engine.backend.label, "keras": keras.__version__}
-        self._last_saved = self._base_update = update
-        self._batches = 0
         self._wait()
         self._raise_write_error()
         if self.asynchronous:

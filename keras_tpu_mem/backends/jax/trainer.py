@@ -203,24 +203,38 @@ class Step:
 
     @staticmethod
     def check_state_readable(variables) -> None:
-        """Raises a `ValueError` if a value is spread over several processes' devices
-        (a `jax.distributed` job): `state_values` reads the state whole in one process."""
+        """Raises a `ValueError` if a value is split over several processes' devices
+        (a `jax.distributed` job with state sharded over its processes): `state_values`
+        reads each value whole in this process. A value replicated on every device of
+        several processes is read from this process's first copy."""
         spread = [v.path for v in variables
-                  if not getattr(v.value, "is_fully_addressable", True)]
+                  if not getattr(v.value, "is_fully_addressable", True)
+                  and not v.value.is_fully_replicated]
         if spread:
             raise ValueError(
-                f"{len(spread)} variables (e.g. {spread[0]!r}) are spread over several "
+                f"{len(spread)} variables (e.g. {spread[0]!r}) are split over several "
                 f"processes' devices (this job has {jax.process_count()} processes): "
-                "reading the training state whole is supported in one process only; a "
-                "multi-process checkpoint (Orbax) is not supported yet.")
+                "the training state is read whole in each process, which needs it "
+                "replicated (e.g. keras.distribution.DataParallel); a checkpoint of state "
+                "split over processes (Orbax) is not supported yet.")
 
     @staticmethod
     def state_values(variables) -> list:
         """The variables' values as numpy arrays, outside the step (after Keras synced
-        its training state into them). One process's arrays only: a value spread over
-        several processes' devices is refused (`check_state_readable`)."""
+        its training state into them): a replicated value from this process's first
+        copy; a value split over several processes' devices is refused
+        (`check_state_readable`)."""
         Step.check_state_readable(variables)
-        return [np.asarray(variable.value) for variable in variables]
+        return [np.asarray(variable.value if variable.value.is_fully_addressable
+                           else variable.value.addressable_data(0))
+                for variable in variables]
+
+    @staticmethod
+    def writes_checkpoints() -> bool:
+        """Whether this process writes the checkpoints: process 0 of a `jax.distributed`
+        job (every process holds the same replicated state, `check_state_readable`;
+        each reads the checkpoints back), the only process otherwise."""
+        return jax.process_index() == 0
 
     def abandon_call(self, args) -> None:
         """Puts a call's input state `(state, iterator)` back into the model's variables

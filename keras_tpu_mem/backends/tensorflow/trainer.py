@@ -105,6 +105,11 @@ class Step:
         (tf.distribute, TPUStrategy included, drives its devices from one client)."""
 
     @staticmethod
+    def writes_checkpoints() -> bool:
+        """Always True: one TensorFlow client drives every replica."""
+        return True
+
+    @staticmethod
     def state_values(variables) -> list:
         """The variables' values as numpy arrays, outside the step. A variable that
         syncs on read (a metric's total under a strategy) reads its aggregate over
