@@ -187,6 +187,33 @@ def test_a_remote_directory_writes_the_json_last_and_reads_back_checked(
     assert sorted(store._listdir(directory)) == ["update-000000010"]
 
 
+def test_a_remote_scan_asks_once_per_complete_checkpoint(remote_directory, monkeypatch):
+    """Each request to an object store is a round trip: listing a remote directory of
+    three complete checkpoints and one cut short reads each `checkpoint.json` once and
+    asks whether a file exists only for the folder whose read failed."""
+    directory = remote_directory
+    for update in (5, 10, 15, 20):
+        store.write_checkpoint(directory, update, {"model": [("w", np.ones(2, "float32"))]},
+                               {"epoch": 0, "batch": update})
+    cut = os.path.join(directory, "update-000000020")  # its checkpoint.json never written
+    store._files().rmtree(cut)
+    store._files().makedirs(cut)
+    store._copy(os.path.join(directory, "update-000000015", "state.npz"),
+                os.path.join(cut, "state.npz"))
+    files, calls = store._files(), []
+
+    class Counted:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(files, name)
+
+    monkeypatch.setattr(store, "_files", Counted)
+    found, skipped = store.scan(directory)
+    assert [info.update for info in found] == [5, 10, 15] and len(skipped) == 1
+    assert "cut short" in skipped[0]
+    assert sorted(calls) == ["GFile"] * 4 + ["exists", "isdir", "listdir"], calls
+
+
 def test_a_fit_stopped_mid_epoch_resumes_bit_exact_from_a_remote_directory(
         remote_directory):
     """Saved every 3 updates (and at epoch ends) to the remote directory, stopped after

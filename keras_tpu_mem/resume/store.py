@@ -302,35 +302,48 @@ def _read_npz(info: CheckpointInfo, state: str) -> dict[str, list]:
     return groups
 
 
-def _cut_short(path: str, name: str) -> bool:
-    """Whether the folder `name` at `path` is a save cut short: a local `.partial-`
-    folder, or a remote checkpoint folder without its `checkpoint.json` (a remote
-    checkpoint is complete once that file, written last, is there)."""
-    return name.startswith(_PARTIAL) or (
-        is_remote(path) and name.startswith(_PREFIX)
-        and not _exists(os.path.join(path, _META)))
+def _scan(directory: str) -> tuple[list[CheckpointInfo], list[str], list[str]]:
+    """`scan`, with the paths of the folders whose save was cut short (to prune).
+
+    A local checkpoint cut short is a `.partial-` folder (renamed when complete); a
+    remote one is an `update-` folder without `checkpoint.json` (written last). A
+    remote folder costs one request, the read of its `checkpoint.json`; only where that
+    fails is the file's existence asked, to tell a save cut short from a corrupt one.
+    """
+    if not _isdir(directory):
+        return [], [], []
+    found, skipped, cut_short = [], [], []
+    remote = is_remote(directory)
+    for name in sorted(_listdir(directory)):
+        path = os.path.join(directory, name)
+        if name.startswith(_PARTIAL):
+            cut_short.append(path)
+            skipped.append(_cut_short_message(path))
+            continue
+        if not name.startswith(_PREFIX) or (not remote and not os.path.isdir(path)):
+            continue
+        try:
+            found.append(read_info(path))
+        except CorruptCheckpoint as err:
+            if remote and not _exists(os.path.join(path, _META)):
+                cut_short.append(path)
+                skipped.append(_cut_short_message(path))
+            else:
+                skipped.append(f"Skipping a corrupt checkpoint: {err}")
+    return sorted(found, key=lambda info: info.update), skipped, cut_short
+
+
+def _cut_short_message(path: str) -> str:
+    return (f"Skipping {path}: a checkpoint whose save was cut short (the process ended "
+            "mid-save).")
 
 
 def scan(directory: str) -> tuple[list[CheckpointInfo], list[str]]:
     """`(complete checkpoints oldest update first, why each other folder is left out)`:
     partial folders (a save cut short) and folders whose `checkpoint.json` cannot be
     read. A missing directory holds none."""
-    if not _isdir(directory):
-        return [], []
-    found, skipped = [], []
-    for name in sorted(_listdir(directory)):
-        path = os.path.join(directory, name)
-        if _cut_short(path, name):
-            skipped.append(f"Skipping {path}: a checkpoint whose save was cut short (the "
-                           "process ended mid-save).")
-            continue
-        if not name.startswith(_PREFIX) or not _isdir(path):
-            continue
-        try:
-            found.append(read_info(path))
-        except CorruptCheckpoint as err:
-            skipped.append(f"Skipping a corrupt checkpoint: {err}")
-    return sorted(found, key=lambda info: info.update), skipped
+    found, skipped, _ = _scan(directory)
+    return found, skipped
 
 
 def list_checkpoints(directory: str, warn: bool = True) -> list[CheckpointInfo]:
@@ -376,9 +389,8 @@ def latest_complete(directory: str) -> tuple[CheckpointInfo, dict] | None:
 def prune(directory: str, keep: int) -> None:
     """Deletes all but the `keep` newest complete checkpoints, and partial folders (none
     is being written: saves and prunes take turns)."""
-    for name in _listdir(directory) if _isdir(directory) else []:
-        path = os.path.join(directory, name)
-        if _cut_short(path, name):
-            _rmtree(path)
-    for info in list_checkpoints(directory, warn=False)[:-keep]:
+    found, _, cut_short = _scan(directory)
+    for path in cut_short:
+        _rmtree(path)
+    for info in found[:-keep]:
         _rmtree(info.path)
