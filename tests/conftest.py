@@ -41,6 +41,7 @@ BOTH_BACKENDS: tuple[str, ...] = (
     "test_precision_planning_quiet.py",
     "test_precision_report.py",
     "test_resume.py",
+    "test_feature_state.py",
 )
 if BACKEND == "jax":
     # Before JAX starts: 8 host CPU devices stand in for a TPU slice, and XLA's

@@ -152,9 +152,13 @@ def state_arrays(model, callbacks) -> dict:
               for i, v in enumerate(model.weights)}
     arrays.update({f"optimizer/{i}": keras.ops.convert_to_numpy(v.value)
                    for i, v in enumerate(model.optimizer.variables)})
+    from keras_tpu_mem.engine import Engine
+
     pruning = next(c for c in callbacks if isinstance(c, ktm.Pruning))
-    arrays.update({f"mask/{i}": keras.ops.convert_to_numpy(w.mask.value)
-                   for i, w in enumerate(pruning._weights)})
+    # The masks as the engine holds them (their dtype too: float without XLA).
+    masks = Engine.of(model).feature_state(pruning).masks
+    arrays.update({f"mask/{i}": keras.ops.convert_to_numpy(mask)
+                   for i, mask in enumerate(masks)})
     return arrays
 
 

@@ -26,7 +26,7 @@ from keras_tpu_mem.distillation import (
     distillation_kl,
     prepare_student,
 )
-from keras_tpu_mem.engine import StepContext
+from keras_tpu_mem.engine import Engine, StepContext
 
 FEATURES, CLASSES, BATCH, STEPS, LR = 6, 5, 16, 5, 0.5
 
@@ -158,7 +158,7 @@ def test_added_term_equals_numpy_t2_kl(temperature, top_k):
     tensor = keras.ops.convert_to_tensor
     extras = {dist.LOGITS_KEY: tensor(teacher_logits)}
     ctx = StepContext(student, None, None, tensor(sample_weight), tensor(student_logits),
-                      extras)
+                      extras, state=callback.init_state(StepContext.outside(student)))
     base = tensor(1.25)
     total = float(callback.transform_loss(base, ctx))
     kl = np_kl(student_logits, teacher_logits, temperature, top_k)
@@ -396,7 +396,9 @@ def test_schedules_resume_through_backup_and_restore(tmp_path, source):
     resumed = callback()
     fit(student, data, [keras.callbacks.BackupAndRestore(backup), resumed], epochs=epochs)
     weights_close(student.get_weights(), [w, b])
-    assert float(resumed._variables[0].numpy()) == temperature_schedule(epochs - 1)
+    state = Engine.of(student).feature_state(resumed)
+    assert float(keras.ops.convert_to_numpy(state.temperature)) == temperature_schedule(
+        epochs - 1)
 
 
 # ================================================================ the teacher

@@ -1,8 +1,8 @@
-"""The features' variables carried between jitted calls on JAX
-(`keras_tpu_mem/backends/jax/feature_state.py`): a callback's write between
-calls reaches the next step, and the variables hold the step's values where
-something reads them (a callback's `model`, the end of an epoch and of `fit`);
-the quiet step (`Feature.quiet_update`) and the host's count of the updates."""
+"""The features' state carried between jitted calls on JAX
+(`keras_tpu_mem/backends/jax/feature_state.py`): a state set between calls reaches
+the next step, and the engine holds each call's state for whoever reads it between
+calls; the quiet step (`Feature.quiet_update`) and the host's count of the updates.
+(The state's API on both backends: tests/test_engine.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from helpers import make_distribution, scope
 from keras_tpu_mem import PolynomialDecay, Pruning
 from keras_tpu_mem.backends.jax.feature_state import quiet_steps_possible
 from keras_tpu_mem.engine import Engine, EngineCallback
+from keras_tpu_mem.pruning.callback import PruningState
 from keras_tpu_mem.pruning.schedules import ConstantSparsity
 
 BATCH, STEPS = 16, 12
@@ -46,8 +47,10 @@ class _ZeroMaskAt(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if batch == self.at:
-            mask = self.pruning._weights[0].mask
-            mask.assign(np.zeros(mask.shape, mask.dtype))
+            engine = Engine.of(self.model)
+            masks = list(engine.feature_state(self.pruning).masks)
+            masks[0] = np.zeros(masks[0].shape, bool)
+            engine.set_feature_state(self.pruning, PruningState(tuple(masks)))
 
     def on_train_batch_end(self, batch, logs=None):
         kernel = self.model.layers[0].kernel  # `model` syncs Keras' state
@@ -69,28 +72,27 @@ def test_a_mask_written_between_calls_prunes_the_next_step(spe):
     # The written mask took effect at the very next step, and stays.
     assert not np.any(probe.seen[second])
     assert not np.any(np.asarray(model.layers[0].kernel.value))
-    assert not np.any(np.asarray(pruning._weights[0].mask.value))
+    assert not np.any(pruning.masks[0])
     assert np.count_nonzero(np.asarray(model.layers[1].kernel.value)) == 24 * 4
-    np.testing.assert_array_equal(np.asarray(pruning._weights[1].mask.value), 1)
+    np.testing.assert_array_equal(pruning.masks[1], True)
 
 
 class _MasksSeen(keras.callbacks.Callback):
-    """Reads the masks through a callback's `model` (as checkpoints do) after
-    every call: they must be this call's, covering the kernels' zeros."""
+    """Reads the masks the engine holds (as checkpoints do) after every call: they must
+    be this call's, covering the kernels' zeros."""
 
     def __init__(self, pruning):
         super().__init__()
         self.pruning, self.checked = pruning, 0
 
     def on_train_batch_end(self, batch, logs=None):
-        for layer, w in zip(self.model.layers, self.pruning._weights):
-            np.testing.assert_array_equal(np.asarray(w.mask.value),
-                                          np.asarray(layer.kernel.value) != 0)
+        for layer, mask in zip(self.model.layers, self.pruning.masks, strict=True):
+            np.testing.assert_array_equal(mask, np.asarray(layer.kernel.value) != 0)
         self.checked += 1
 
 
 @pytest.mark.parametrize("spe", [1, 4])
-def test_after_fit_the_variables_hold_the_steps_final_values(spe):
+def test_between_calls_and_after_fit_the_engine_holds_each_calls_masks(spe):
     x, y = _data()
     model = _model(spe)
     pruning = Pruning(PolynomialDecay(0.0, 0.75, begin_step=0, end_step=2 * STEPS,
@@ -99,18 +101,18 @@ def test_after_fit_the_variables_hold_the_steps_final_values(spe):
     model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
               callbacks=[pruning, seen])
     assert seen.checked == 3 * STEPS // spe
-    for layer, w in zip(model.layers, pruning._weights):
+    for layer, mask in zip(model.layers, pruning.masks, strict=True):
         kernel = np.asarray(layer.kernel.value)
         assert np.mean(kernel == 0) == pytest.approx(0.75, abs=0.01)
-        np.testing.assert_array_equal(np.asarray(w.mask.value), kernel != 0)
+        np.testing.assert_array_equal(mask, kernel != 0)
     # The same masks whatever the number of steps per call.
     reference = _model(1)
     ref_pruning = Pruning(PolynomialDecay(0.0, 0.75, begin_step=0, end_step=2 * STEPS,
                                           frequency=2))
     reference.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, shuffle=False,
                   callbacks=[ref_pruning])
-    for w, r in zip(pruning._weights, ref_pruning._weights):
-        np.testing.assert_array_equal(np.asarray(w.mask.value), np.asarray(r.mask.value))
+    for mask, reference_mask in zip(pruning.masks, ref_pruning.masks, strict=True):
+        np.testing.assert_array_equal(mask, reference_mask)
 
 
 # ---------------------------------------------------- quiet steps (`Feature.quiet_update`)
@@ -158,8 +160,8 @@ def test_quiet_steps_train_as_the_step_that_always_branches(spe, case):
     assert counted.updates == list(range(1, 3 * STEPS + 1))
     for a, b in zip(quiet.get_weights(), branching.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-    for a, b in zip(counted._weights, never._weights):
-        np.testing.assert_array_equal(np.asarray(a.mask.value), np.asarray(b.mask.value))
+    for a, b in zip(counted.masks, never.masks, strict=True):
+        np.testing.assert_array_equal(a, b)
     kernel = np.asarray(quiet.layers[0].kernel.value)
     assert np.mean(kernel == 0) == pytest.approx(0.75, abs=0.01)
 
@@ -183,26 +185,22 @@ def test_the_host_count_follows_iterations_written_between_calls():
 
 
 class _WritesWhenQuiet(EngineCallback):
-    """Says every update is quiet, then writes its step variable anyway."""
+    """Says every update is quiet, then changes its state anyway."""
 
     name = "writes_when_quiet"
     order = 90
 
-    def __init__(self):
-        super().__init__()
-        self.count = keras.Variable(0.0, trainable=False, name="count")
-
-    def step_variables(self):
-        return [self.count]
+    def init_state(self, ctx):
+        return (np.zeros((), "float32"),)
 
     def quiet_update(self, update):
         return True
 
     def after_update(self, ctx):
-        self.count.assign(self.count.value + 1.0)
+        return (ctx.state[0] + 1.0,)
 
 
-def test_a_quiet_update_that_writes_its_variable_is_an_error():
+def test_a_quiet_update_that_changes_its_state_is_an_error():
     x, y = _data()
     with pytest.raises(ValueError, match="quiet_update"):
         _model(1).fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
@@ -215,23 +213,22 @@ def test_no_quiet_step_where_iterations_may_not_advance_every_step():
     model = _model(1)
     pruning = Pruning(_schedule())
     model.fit(*_data(), batch_size=BATCH, epochs=1, verbose=0, callbacks=[pruning])
-    assert quiet_steps_possible(model, [pruning], Engine.has_hook)
+    states = Engine.of(model).backend_step.states
+    assert quiet_steps_possible(model, [pruning], states, Engine.has_hook)
     scaled = _model(1)
     scaled.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()),
                    loss="sparse_categorical_crossentropy")
-    assert not quiet_steps_possible(scaled, [pruning], Engine.has_hook)
-    # A feature with step variables that does not tell its quiet updates: none is quiet.
-    assert not quiet_steps_possible(model, [pruning, _CarriesOnly()], Engine.has_hook)
+    assert not quiet_steps_possible(scaled, [pruning], states, Engine.has_hook)
+    # A feature with state that does not tell its quiet updates: none is quiet.
+    carries = _CarriesOnly()
+    states.values[carries.name] = (np.zeros((), "float32"),)
+    assert not quiet_steps_possible(model, [pruning, carries], states, Engine.has_hook)
 
 
 class _CarriesOnly(EngineCallback):
-    """Owns a step variable and does not fill `quiet_update`."""
+    """Has state and does not fill `quiet_update`."""
 
     name = "carries_only"
 
-    def __init__(self):
-        super().__init__()
-        self.count = keras.Variable(0.0, trainable=False, name="count")
-
-    def step_variables(self):
-        return [self.count]
+    def init_state(self, ctx):
+        return (np.zeros((), "float32"),)

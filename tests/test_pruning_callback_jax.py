@@ -13,6 +13,7 @@ import pytest
 from helpers import make_distribution, scope, sparse_ce
 
 from keras_tpu_mem import PolynomialDecay, Pruning, strip_pruning
+from keras_tpu_mem.engine import Engine
 from keras_tpu_mem.pruning.schedules import ConstantSparsity
 
 BATCH = 32
@@ -72,12 +73,13 @@ def test_floor_polynomial_decay_on_digits_under_model_parallel(digits, dense_acc
                   callbacks=[pruning])
     assert int(np.asarray(model.optimizer.iterations.value)) == TOTAL
     kernels = [layer.kernel for layer in model.layers]
-    for kernel, w in zip(kernels, pruning._weights):
+    masks = Engine.of(model).feature_state(pruning).masks
+    for kernel, mask in zip(kernels, masks, strict=True):
         value = np.asarray(kernel.value)
         assert np.mean(value == 0) == pytest.approx(0.80, abs=0.01), kernel.path
         # The mask travelled with the step and covers exactly the zeros.
-        np.testing.assert_array_equal(np.asarray(w.mask.value), value != 0)
-        assert w.mask.value.sharding.is_equivalent_to(kernel.value.sharding, 2)
+        np.testing.assert_array_equal(np.asarray(mask), value != 0)
+        assert mask.sharding.is_equivalent_to(kernel.value.sharding, 2)
     assert dense_accuracy > 0.9
     accuracy = _numpy_accuracy(model, xv, yv)
     assert accuracy >= dense_accuracy - 0.02, (accuracy, dense_accuracy)

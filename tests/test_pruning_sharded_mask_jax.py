@@ -14,10 +14,10 @@ from keras_tpu_mem.engine import StepContext
 from keras_tpu_mem.pruning import callback
 
 
-def _derive(mask, kernel, from_zeros):
-    """What `Pruning` does to its masks at a resume."""
+def _derive(kernel, from_zeros):
+    """What `Pruning` does to its masks at a resume: the mask of `kernel`."""
     fn = callback._nonzero if from_zeros else callback._ones
-    StepContext.outside().set_state(mask, kernel, fn)
+    return StepContext.outside().computed_like(kernel, fn, "bool")
 
 
 @pytest.fixture
@@ -29,13 +29,12 @@ def sharded_kernel():
         values = np.random.default_rng(0).normal(size=(16, 64)).astype("float32")
         values[values < 0.3] = 0.0  # about 60% zeros, as a pruned kernel resumed
         kernel.assign(values)
-        mask = StepContext.outside(model).state_variable(kernel, "bool", "pruning_mask")
-        yield kernel, mask, values
+        yield kernel, values
 
 
 def test_mask_from_zeros_never_reads_the_sharded_kernel_on_the_host(sharded_kernel,
                                                                     monkeypatch):
-    kernel, mask, values = sharded_kernel
+    kernel, values = sharded_kernel
     assert len(kernel.value.sharding.device_set) == 8
     assert not kernel.value.sharding.is_fully_replicated
 
@@ -45,23 +44,24 @@ def test_mask_from_zeros_never_reads_the_sharded_kernel_on_the_host(sharded_kern
         raise RuntimeError("gathered a sharded array to the host")
 
     monkeypatch.setattr(type(kernel.value), "__array__", not_on_host)
-    _derive(mask, kernel, from_zeros=True)
+    mask = _derive(kernel, from_zeros=True)
     monkeypatch.undo()
 
-    np.testing.assert_array_equal(np.asarray(mask.value), values != 0)
-    assert mask.value.dtype == np.bool_
-    assert mask.value.sharding.is_equivalent_to(kernel.value.sharding, 2)
+    np.testing.assert_array_equal(np.asarray(mask), values != 0)
+    assert mask.dtype == np.bool_
+    assert mask.sharding.is_equivalent_to(kernel.value.sharding, 2)
 
 
 def test_mask_not_from_zeros_is_all_ones_laid_out_as_the_kernel(sharded_kernel):
-    kernel, mask, _ = sharded_kernel
-    _derive(mask, kernel, from_zeros=False)
-    assert np.asarray(mask.value).all()
-    assert mask.value.sharding.is_equivalent_to(kernel.value.sharding, 2)
+    kernel, _ = sharded_kernel
+    mask = _derive(kernel, from_zeros=False)
+    assert np.asarray(mask).all()
+    assert mask.sharding.is_equivalent_to(kernel.value.sharding, 2)
+    ones = StepContext.outside().ones_like(kernel, "bool")  # a fit's first masks
+    assert np.asarray(ones).all() and ones.sharding.is_equivalent_to(kernel.value.sharding, 2)
 
 
 def test_mask_from_zeros_without_a_distribution():
     kernel = keras.Variable(np.array([[0.0, 1.5], [-2.0, 0.0]], "float32"))
-    mask = StepContext.outside().state_variable(kernel, "bool", "pruning_mask")
-    _derive(mask, kernel, from_zeros=True)
-    np.testing.assert_array_equal(np.asarray(mask.value), [[False, True], [True, False]])
+    mask = _derive(kernel, from_zeros=True)
+    np.testing.assert_array_equal(np.asarray(mask), [[False, True], [True, False]])

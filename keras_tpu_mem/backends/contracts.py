@@ -104,13 +104,13 @@ class Context(Protocol):
         trace)."""
         ...
 
-    def state_variable(self, model, like, dtype, name: str):
-        """A new all-ones variable shaped and laid out like `like`, owned by a feature
-        (never by `model`), that the step may write."""
+    def ones_like(self, like, dtype):
+        """Outside the step: an all-ones value of `like`'s shape (a variable) and
+        `dtype`, laid out like its value (a feature's `init_state`)."""
         ...
 
-    def set_state(self, variable, like, fn) -> None:
-        """Outside the step: `variable` = `fn(like's value)`, computed where the value
+    def computed_like(self, like, fn, dtype):
+        """Outside the step: `fn(like's value)` as `dtype`, computed where the value
         lives (`fn`: elementwise keras.ops, a module-level function)."""
         ...
 
@@ -119,13 +119,12 @@ class Context(Protocol):
         ...
 
     def assign(self, variable, value) -> None:
-        """Inside the step: writes `variable` (a model's or a feature's) on every
-        replica."""
+        """Inside the step: writes the model's `variable` on every replica."""
         ...
 
-    def assign_where(self, condition, variables, new_values) -> None:
-        """Inside the step: where `condition` holds, each of `variables` takes the value
-        `new_values()` gives (computed only then)."""
+    def state_where(self, condition, ctx, new_state):
+        """Inside the step: the state of the feature `ctx` runs, `new_state()` where
+        `condition` holds (computed only then), else `ctx.state`."""
         ...
 
     def checked(self, condition, valid, message: str, *data):
@@ -713,7 +712,7 @@ ONLY_ON: dict[str, str] = {
 PARTS: dict[str, tuple[str, ...]] = {
     "jax": ("feature_state", "gradients", "layout", "per_device", "pulled", "reducers",
             "train_function"),
-    "tensorflow": (),
+    "tensorflow": ("feature_state",),
 }
 
 

@@ -31,24 +31,33 @@ class StepContext:
         extras: Dict of extra per-example tensors from `split_extras`.
         num_micro_batches: How many micro-batches make this update (1 without
             accumulation).
-        quiet: True in a step compiled for the updates that every feature with step
-            variables said leave them as they are (`Feature.quiet_update`): its
-            `after_update` must then not assign them (the JAX engine checks).
+        quiet: True in a step compiled for the updates that every feature with state
+            said leave it as it is (`Feature.quiet_update`): its `after_update` must
+            then return its state unchanged (the JAX engine checks).
+        state: The state of the feature whose hook runs (what its `init_state` made,
+            as the last step left it; None for a feature without state). The engine
+            sets it before each feature's `transform_loss` and `after_update`.
 
-    Example (a feature's loss term reads the batch; an update writes a weight):
+    Example (a feature's loss term reads the batch; an update writes a weight and
+    returns the feature's new state, a count of the clipped entries):
 
     ```python
     def transform_loss(self, loss, ctx):
         return loss + 0.1 * keras.ops.mean(keras.ops.square(ctx.y_pred))
 
+    def init_state(self, ctx):
+        return (keras.ops.zeros((), "int32"),)
+
     def after_update(self, ctx):
         kernel = ctx.model.layers[0].kernel
+        clipped = keras.ops.sum(keras.ops.cast(keras.ops.abs(kernel.value) > 1, "int32"))
         ctx.assign(kernel, keras.ops.clip(kernel.value, -1.0, 1.0))
+        return (ctx.state[0] + clipped,)
     ```
     """
 
     def __init__(self, model, x=None, y=None, sample_weight=None, y_pred=None,
-                 extras=None, num_micro_batches=1, quiet=False):
+                 extras=None, num_micro_batches=1, quiet=False, state=None):
         self.model = model
         self.x = x
         self.y = y
@@ -57,6 +66,13 @@ class StepContext:
         self.extras = extras or {}
         self.num_micro_batches = num_micro_batches
         self.quiet = quiet
+        self.state = state
+        #: The backend's holders of `state` where it keeps them in variables
+        #: (TensorFlow), set with `state` by the engine; None on JAX.
+        self.state_carriers = None
+        #: Values `state_where` made from the carriers it wrote (TensorFlow): the
+        #: engine does not write them again.
+        self.written = []
         self._verbs = _running_context()
 
     @classmethod
@@ -108,15 +124,15 @@ class StepContext:
         """`fn()` outside the step being traced (to create state inside a first trace)."""
         return self._verbs.eagerly(fn)
 
-    def state_variable(self, like, dtype, name: str):
-        """A new all-ones variable shaped and laid out like `like`, owned by the feature
-        (never by the model), that the step may write."""
-        return self._verbs.state_variable(self.model, like, dtype, name)
+    def ones_like(self, like, dtype):
+        """Outside the step: an all-ones value of `like`'s shape (a variable) and
+        `dtype`, laid out like its value (for a feature's `init_state`)."""
+        return self._verbs.ones_like(like, dtype)
 
-    def set_state(self, variable, like, fn) -> None:
-        """Outside the step: `variable` = `fn(like's value)`, computed where the value
+    def computed_like(self, like, fn, dtype):
+        """Outside the step: `fn(like's value)` as `dtype`, computed where the value
         lives (`fn`: elementwise keras.ops, a module-level function)."""
-        self._verbs.set_state(variable, like, fn)
+        return self._verbs.computed_like(like, fn, dtype)
 
     # ------------------------------------------------------------ inside the step
     def update_count(self):
@@ -124,13 +140,13 @@ class StepContext:
         return self._verbs.update_count(self.model.optimizer)
 
     def assign(self, variable, value) -> None:
-        """Writes `variable` (a model's or a feature's) on every replica."""
+        """Writes the model's `variable` on every replica."""
         self._verbs.assign(variable, value)
 
-    def assign_where(self, condition, variables, new_values) -> None:
-        """Where `condition` holds, each of `variables` takes the value `new_values()`
-        gives (computed only then)."""
-        self._verbs.assign_where(condition, variables, new_values)
+    def state_where(self, condition, new_state):
+        """This feature's state where `condition` holds: `new_state()` (computed only
+        then), else `ctx.state` as it came; return it from `after_update`."""
+        return self._verbs.state_where(condition, self, new_state)
 
     def checked(self, condition, valid, message: str, *data):
         """`condition and valid`; where the backend can assert in the step (TensorFlow
@@ -153,6 +169,29 @@ def _running_context():
     from keras_tpu_mem import backends
 
     return backends.current("keras_tpu_mem's step").context
+
+
+def check_state_replacement(feature, held, state) -> None:
+    """Refuses a state given to `feature` between steps (`Engine.set_feature_state`)
+    that is not structured or shaped as the one it `held`.
+
+    Raises:
+        ValueError: Another structure, or a value of another shape.
+    """
+    import keras
+    import numpy as np
+
+    try:
+        keras.tree.assert_same_structure(held, state)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"The state given to {type(feature).__name__} is not structured as the one "
+            f"it holds: {err}") from err
+    for old, new in zip(keras.tree.flatten(held), keras.tree.flatten(state)):
+        if tuple(np.shape(new)) != tuple(old.shape):
+            raise ValueError(
+                f"The state given to {type(feature).__name__} has a value of shape "
+                f"{tuple(np.shape(new))} where it holds {tuple(old.shape)}.")
 
 
 def micro_batch_count(features, per_replica_batch) -> int:
@@ -189,4 +228,4 @@ def check_pulled_micro_batches(model, k: int) -> None:
 
 
 __all__ = ["MICRO_BATCH_SPLIT", "StepContext", "check_pulled_micro_batches",
-           "micro_batch_count"]
+           "check_state_replacement", "micro_batch_count"]

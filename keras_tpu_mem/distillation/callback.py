@@ -8,8 +8,10 @@ by `cache_teacher_logits` / `load_teacher_logits`, see `elements`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import keras
+import numpy as np
 
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem.devices import placement
@@ -33,10 +35,9 @@ from keras_tpu_mem.distillation.placement import (
     assign_weights,
     copy_into_strategy,
     outside,
-    strategy_scope,
     student_owner,
 )
-from keras_tpu_mem.engine import EngineCallback
+from keras_tpu_mem.engine import Engine, EngineCallback
 
 ops = keras.ops
 
@@ -48,6 +49,14 @@ def _backing(variable):
     if isinstance(variable, keras.Variable) and keras_compat.has_value(variable):
         return variable.value
     return variable
+
+
+class DistillationState(NamedTuple):
+    """What `Distillation` carries from step to step (its `init_state`): the current
+    temperature and alpha (float32 scalars), set at each epoch's start by schedules."""
+
+    temperature: object
+    alpha: object
 
 
 class Distillation(EngineCallback):
@@ -177,8 +186,7 @@ class Distillation(EngineCallback):
         self._alpha_fn = alpha if callable(alpha) else None
         self.temperature = None if callable(temperature) else check_temperature(temperature)
         self.alpha = None if callable(alpha) else check_alpha(alpha)
-        self._variables = None  # (temperature, alpha) Keras variables, made in install
-        self._variables_strategy = None
+        self._start_epoch = 0  # the epoch the running fit starts at (a resume's)
         # The model the step runs: the teacher, or its copy under the student's
         # strategy (set in install). The copy is kept as (teacher, strategy, copy)
         # so that later fits reuse it instead of cloning again.
@@ -249,19 +257,18 @@ class Distillation(EngineCallback):
             return constant
         return check(fn(epoch), where=f" (returned by the schedule for epoch {epoch})")
 
-    def _assign(self, epoch):
+    def _state_at(self, epoch) -> DistillationState:
         temperature = self._value(self.temperature, self._temperature_fn, epoch,
                                   check_temperature)
         alpha = self._value(self.alpha, self._alpha_fn, epoch, check_alpha)
-        t_var, a_var = self._variables
-        t_var.assign(temperature)
-        a_var.assign(alpha)
+        return DistillationState(np.asarray(temperature, "float32"),
+                                 np.asarray(alpha, "float32"))
 
     # ----------------------------------------------------------- engine
     def install(self, model):
-        # None on JAX, where there is no tf.distribute: variables are laid out by the
-        # active keras.distribution (build the teacher in the same `distribution.scope()`).
-        strategy = placement.training_strategy(model, "Distillation")
+        # Refuses a teacher and student under different tf.distribute strategies (None
+        # on JAX: build the teacher in the student's `distribution.scope()`).
+        placement.training_strategy(model, "Distillation")
         teacher = self.teacher
         if teacher is not None:
             if teacher is model:
@@ -295,22 +302,13 @@ class Distillation(EngineCallback):
             )
         # Where no variable has a strategy (JAX), `_teacher_for` is the teacher itself.
         self._step_teacher = teacher if teacher is None else self._teacher_for(model)
-        if self._variables is None or self._variables_strategy is not strategy:
-            with strategy_scope(strategy):
-                self._variables = (
-                    keras.Variable(1.0, dtype="float32", trainable=False,
-                                   name="distillation_temperature"),
-                    keras.Variable(0.0, dtype="float32", trainable=False,
-                                   name="distillation_alpha"),
-                )
-            self._variables_strategy = strategy
-        # Constants are final now; schedules are set at every epoch start (a
-        # resumed fit starts at the restored epoch).
-        self._assign(int(getattr(model, "_initial_epoch", None) or 0))
+        self._start_epoch = int(getattr(model, "_initial_epoch", None) or 0)
 
-    def step_variables(self):
-        # Temperature and alpha: set between steps (schedules), read by the step.
-        return list(self._variables or ())
+    def init_state(self, ctx):
+        """`DistillationState`: the temperature and alpha of the fit's first epoch
+        (schedules set them again at every epoch's start: a resumed fit starts at the
+        restored epoch)."""
+        return self._state_at(self._start_epoch)
 
     def frozen_variables(self):
         # The teacher's weights enter the JAX step as inputs, not as constants
@@ -318,8 +316,8 @@ class Distillation(EngineCallback):
         return list(self._step_teacher.weights) if self._step_teacher is not None else []
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._variables is not None:
-            self._assign(epoch)
+        if self._temperature_fn is not None or self._alpha_fn is not None:
+            Engine.attach(self._engine_model).set_feature_state(self, self._state_at(epoch))
 
     def split_extras(self, data):
         if is_cached_element(data):
@@ -342,24 +340,24 @@ class Distillation(EngineCallback):
 
     def transform_loss(self, loss, ctx):
         student = single_output(ctx.y_pred, "a student")
-        temperature, alpha = self._variables
+        temperature, alpha = ctx.state
         if self.teacher is not None:
             teacher = self._step_teacher(ctx.x, training=False)
             teacher = ops.stop_gradient(single_output(teacher, "a teacher"))
             kl = self._logits_kl(
-                student, teacher, temperature.value, "the teacher",
+                student, teacher, temperature, "the teacher",
                 "The teacher's logits have shape {logits} per batch but the student's have "
                 "{student}; Distillation needs the same shape (the same classes in the same "
                 "order).")
         else:
-            kl = self._cached_kl(student, ctx.extras, temperature.value)
+            kl = self._cached_kl(student, ctx.extras, temperature)
         mask = getattr(student, "_keras_mask", None)
         # Keras' own reduction: sample weights and mask apply, divided by the
         # number of examples, then by the number of replicas.
         term = keras_compat.reduce_weighted_values(kl, sample_weight=ctx.sample_weight, mask=mask,
                                                   reduction="sum_over_batch_size", dtype="float32")
-        alpha = ops.cast(alpha.value, "float32")
-        term = alpha * ops.square(ops.cast(temperature.value, "float32")) * term
+        alpha = ops.cast(alpha, "float32")
+        term = alpha * ops.square(ops.cast(temperature, "float32")) * term
         # Regularisation losses (kernel_regularizer, add_loss) keep their full
         # weight: `loss` includes them, so give back the alpha part.
         regularization = regularization_loss(ctx.model)

@@ -338,6 +338,10 @@ class Engine:
                 installed.append(feature)
                 feature.install(model)
             self._check_compatible()
+            # Each fit starts from the features' `init_state` (also a fit that reuses
+            # the step traced before).
+            if self.backend_step.start_feature_states(features):
+                self._cache = None  # the TensorFlow step read state carriers made anew
             # A later fit with the very same feature objects and compile settings
             # reuses the traced step instead of tracing (and compiling) it again.
             key = (tuple(features), model.steps_per_execution, model.jit_compile,
@@ -389,6 +393,25 @@ class Engine:
         """Called by a feature at the end of `fit`: undo its `install`."""
         if feature in self.features:
             self._uninstall(feature)
+
+    # ------------------------------------------------------- feature state
+    def feature_state(self, feature: Feature):
+        """`feature`'s state (what its `init_state` made, as the last step left it),
+        between steps: on JAX the arrays the next step takes, on TensorFlow the values
+        of the variables that carry it. None where it has none (or, on TensorFlow, where
+        the step that makes its carriers has not run yet)."""
+        return self.backend_step.feature_state(feature)
+
+    def set_feature_state(self, feature: Feature, state) -> None:
+        """Replaces `feature`'s state between steps (a schedule at an epoch's start, a
+        resume): the next step takes it. The same structure and shapes as the state
+        it holds; each value is cast to the held one's dtype.
+
+        Raises:
+            ValueError: The feature holds no state, or `state` has another structure
+                or other shapes.
+        """
+        self.backend_step.set_feature_state(feature, state)
 
     def note_batch_begin(self, begin_step: int, steps_per_epoch: int | None) -> None:
         """Feature callbacks report the position in the epoch before each call."""

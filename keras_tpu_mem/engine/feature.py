@@ -37,24 +37,26 @@ registration points (all optional, all methods of `Feature`):
   `loss` is the compiled loss already scaled for the number of replicas, as
   Keras scales it; anything added must be scaled the same way
   (`scale_for_replicas`). `ctx` is a `StepContext`.
-* **`after_update(ctx)`** – runs inside the compiled step right after the
-  optimizer update, on every replica (pruning masks). Written with Keras
-  variables (`variable.value`, `variable.assign`) and `keras.ops`: on
-  TensorFlow it writes the variables; on JAX the engine runs it inside a
-  `keras.StatelessScope` that maps the model's, the optimizer's and the
-  features' variables to their post-update values and takes its assignments
-  as the step's new values (values in, values out: the jitted step stays pure).
-  `optimizer.iterations` reads the count after the update; branch with
-  `keras.ops.cond`, and assign outside the branches.
-* **`step_variables()` / `frozen_variables()`** – Keras variables a feature
-  owns outside the model that the step reads (both) and writes (the first:
-  pruning masks, a temperature). On TensorFlow they are ordinary variables; on
-  JAX the engine passes their values into the jitted step beside Keras' state
-  (carried ones keep the sharding their value has, e.g. a mask its kernel's,
-  and go from call to call as Keras' own state does, written into the
-  variables when Keras syncs its state; an assignment between calls reaches
-  the next step)
-  and frozen ones (a teacher's weights) as inputs that are never returned.
+* **`init_state(ctx) -> state | None`** – the state a feature carries from step to
+  step (pruning masks, a distillation temperature), made at the start of each `fit`
+  from `ctx = StepContext.outside(model)`: a tuple, named tuple or dict of arrays
+  (optax's way: the feature owns no variable). The engine carries it — beside Keras'
+  state into and out of the jitted step on JAX, in variables it makes on
+  TensorFlow — and hands it to the hooks as `ctx.state`; between steps
+  `Engine.feature_state(feature)` reads it and `Engine.set_feature_state(feature,
+  state)` replaces it (a schedule, a resume).
+* **`after_update(ctx) -> state | None`** – runs inside the compiled step right after
+  the optimizer update, on every replica (pruning masks); returns the feature's new
+  state (None: unchanged; `ctx.state_where(condition, new_state)` for a conditional
+  one). Written with Keras variables (`variable.value`, `ctx.assign`) and
+  `keras.ops`: on TensorFlow it writes the model's variables; on JAX the engine runs it
+  inside a `keras.StatelessScope` that maps the model's and the optimizer's variables
+  to their post-update values and takes its assignments as the step's new values
+  (values in, values out: the jitted step stays pure). `optimizer.iterations` reads the
+  count after the update (`ctx.update_count()`).
+* **`frozen_variables()`** – Keras variables a feature reads in the step and never
+  writes (a teacher's weights): on JAX they enter the jitted step as inputs, never
+  returned nor embedded as constants.
 * **`explain_error(error) -> Exception | None`** – when the step fails, each
   feature may return a clearer exception to raise instead (chained to the
   original).
@@ -138,12 +140,15 @@ class Feature:
         """Returns the loss to differentiate; `loss` is replica-scaled."""
         return loss
 
-    def after_update(self, ctx: StepContext) -> None:
-        """Runs inside the step after the optimizer update."""
+    def init_state(self, ctx: StepContext):
+        """The state this feature carries from step to step (a structure of arrays), or
+        None; made at the start of each `fit` (`ctx`: `StepContext.outside(model)`)."""
+        return None
 
-    def step_variables(self) -> list:
-        """Keras variables (outside the model) the step reads and writes."""
-        return []
+    def after_update(self, ctx: StepContext):
+        """Runs inside the step after the optimizer update; returns the feature's new
+        state (None: `ctx.state` unchanged)."""
+        return None
 
     def frozen_variables(self) -> list:
         """Keras variables (outside the model) the step only reads."""
@@ -151,10 +156,10 @@ class Feature:
 
     def quiet_update(self, update: int) -> bool:
         """Whether the update that brings `optimizer.iterations` to `update` leaves this
-        feature's `step_variables` as they are. When every feature with step variables
-        says so, the JAX engine runs a second compiled step for it (`ctx.quiet` True)
-        that takes them and returns none: no copy of them, and no branch. Default
-        False: any update may change them."""
+        feature's state as it is. When every feature with state says so, the JAX engine
+        runs a second compiled step for it (`ctx.quiet` True) that takes the states and
+        returns none: no copy of them, and no branch. Default False: any update may
+        change it."""
         return False
 
     def explain_error(self, error: Exception) -> Exception | None:

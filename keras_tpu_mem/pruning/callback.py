@@ -45,13 +45,14 @@ import math
 import numbers
 import os
 import warnings
+from typing import NamedTuple
 
 import keras
 import numpy as np
 from keras import ops
 
 from keras_tpu_mem._utils import logger
-from keras_tpu_mem.engine import EngineCallback, StepContext
+from keras_tpu_mem.engine import Engine, EngineCallback, StepContext
 from keras_tpu_mem.events import EventFileWriter
 from keras_tpu_mem.pruning.masks import (
     apply_mask,
@@ -265,37 +266,17 @@ class Pruning(EngineCallback):
                     f"Pruning on {ctx.backend_label} needs a built model (define it with "
                     "keras.Input or call `model.build(input_shape)` before `fit`).")
             # Keras builds a lazily built model's layers in the first trace of the
-            # step, before `after_update`, which then finds the weights and creates
-            # their masks (all ones: an unbuilt model has not been trained, and
-            # BackupAndRestore refuses it).
+            # step, where the engine asks for `init_state`, which then finds the
+            # weights and makes their masks (all ones: an unbuilt model has not been
+            # trained, and BackupAndRestore refuses it).
             self._deferred = True
             self._weights = []
             return
         self._setup(model)
 
     def _setup(self, model):
-        ctx = StepContext.outside(model)
-        # A 1-byte mask fuses into the optimizer's update under XLA. Without XLA
-        # (TensorFlow), its select kernel is about 3x slower than `MulNoNan` (70 vs
-        # 22 us on a 256x256 float32 kernel, 2-core CPU): there the mask takes the
-        # weight's dtype and masking is a multiply (`apply_mask`).
-        def mask_dtype(variable):
-            return "bool" if ctx.compiles_with_xla() else variable.dtype
-
         weights = find_prunable_weights(model, self.layers)
         self._check_shapes(weights)
-        previous = self._weights
-        if (len(previous) == len(weights)
-                and all(a.variable is b.variable
-                        and a.mask.dtype == mask_dtype(a.variable)
-                        for a, b in zip(previous, weights))):
-            # The same model again (a second fit): keep the mask variables, which
-            # the engine's cached step still refers to; they are re-derived below.
-            weights = previous
-        else:
-            for w in weights:
-                w.mask = ctx.state_variable(w.variable, mask_dtype(w.variable),
-                                            name="pruning_mask")
         self._weights = weights
         if not self._announced:
             self._announced = True
@@ -309,8 +290,35 @@ class Pruning(EngineCallback):
                 self.schedule,
             )
 
-    def step_variables(self):
-        return [w.mask for w in self._weights]
+    @staticmethod
+    def _mask_dtype(ctx, variable):
+        # A 1-byte mask fuses into the optimizer's update under XLA. Without XLA
+        # (TensorFlow), its select kernel is about 3x slower than `MulNoNan` (70 vs
+        # 22 us on a 256x256 float32 kernel, 2-core CPU): there the mask takes the
+        # weight's dtype and masking is a multiply (`apply_mask`).
+        return "bool" if ctx.compiles_with_xla() else variable.dtype
+
+    def init_state(self, ctx):
+        """`PruningState`: a mask of ones per pruned weight (what `_sync_masks` makes
+        them at the fit's first batch). For a model Keras builds in the step's first
+        trace (`builds_in_step`), the weights are found here, in that trace."""
+        if self._deferred:
+            self._deferred = False
+            self._setup(ctx.model)
+        return PruningState(tuple(ctx.ones_like(w.variable, self._mask_dtype(ctx, w.variable))
+                                  for w in self._weights))
+
+    @property
+    def masks(self) -> list[np.ndarray]:
+        """The current masks of the pruned weights (`pruned_weights` order) as boolean
+        numpy arrays: True where a weight entry is kept. Empty before the first `fit`
+        (and, for a model Keras builds in the step, before its first step)."""
+        model = getattr(self, "_engine_model", None)
+        engine = Engine.of(model) if model is not None else None
+        state = engine.feature_state(self) if engine is not None else None
+        if state is None:
+            return []
+        return [ops.convert_to_numpy(mask).astype(bool) for mask in state.masks]
 
     def uninstall(self, model):
         if self._writer is not None:
@@ -433,25 +441,23 @@ class Pruning(EngineCallback):
 
     def after_update(self, ctx):
         """Inside the step, after the optimizer update: recompute the masks when the
-        schedule says so, then zero the pruned entries of every pruned weight.
+        schedule says so, then zero the pruned entries of every pruned weight; returns
+        the masks (`PruningState`).
 
-        On TensorFlow this writes the variables; on JAX the engine runs it in a
+        On TensorFlow this writes the weights; on JAX the engine runs it in a
         `keras.StatelessScope`, where every `.value` is this step's post-update
         value and every assignment becomes part of the step's new state.
         """
-        if self._deferred:  # a model Keras built in this trace (`BUILDS_IN_STEP`)
-            self._deferred = False
-            self._weights = []
-            ctx.eagerly(lambda: self._setup(ctx.model))  # the masks, outside the trace
-        weights = self._weights
+        state = ctx.state
         if not ctx.quiet:  # a quiet update (`quiet_update`) keeps the masks as they are
             step = ctx.update_count()  # updates made, this one included
             should, sparsity_fn = self._should_prune(step, ctx)
-            ctx.assign_where(should, [w.mask for w in weights],
-                             lambda: self._new_masks(sparsity_fn()))
-        for w in weights:
+            state = ctx.state_where(
+                should, lambda: PruningState(tuple(self._new_masks(sparsity_fn()))))
+        for w, mask in zip(self._weights, state.masks, strict=True):
             value = ops.convert_to_tensor(w.variable.value)
-            ctx.assign(w.variable, apply_mask(value, w.mask.value, ctx))
+            ctx.assign(w.variable, apply_mask(value, mask, ctx))
+        return state
 
     # ------------------------------------------------------------ resume
     def _pruning_started(self, step: int) -> bool:
@@ -483,11 +489,15 @@ class Pruning(EngineCallback):
         return self._started_fn(step)
 
     def _sync_masks(self):
+        if not self._weights:  # a model Keras builds in the step: masks made there
+            return
         step = int(np.asarray(self.model.optimizer.iterations.value))
         started = self._pruning_started(step)
         ctx = StepContext.outside(self.model)
-        for w in self._weights:
-            ctx.set_state(w.mask, w.variable, _nonzero if started else _ones)
+        fn = _nonzero if started else _ones
+        Engine.attach(self._engine_model).set_feature_state(self, PruningState(tuple(
+            ctx.computed_like(w.variable, fn, self._mask_dtype(ctx, w.variable))
+            for w in self._weights)))
 
     # ------------------------------------------------------------ logging
     def _write_summaries(self):
@@ -498,14 +508,24 @@ class Pruning(EngineCallback):
         step_tensor = ops.convert_to_tensor(step, StepContext.outside().update_count_dtype())
         _, sparsity = self._schedule(step_tensor)
         values = {"pruning/schedule_sparsity": float(sparsity)}
-        for w in self._weights:
-            mask = ops.convert_to_numpy(w.mask.value).astype(bool)
+        for w, mask in zip(self._weights, self.masks):
             values[f"pruning/{w.path}/sparsity"] = 1.0 - float(mask.mean())
             if not self.m_by_n:
                 values[f"pruning/{w.path}/threshold"] = float(smallest_kept(
                     w.variable.value, mask, self.block_size, self.block_pooling_type))
         self._writer.scalars(step, values)
         self._writer.flush()
+
+
+class PruningState(NamedTuple):
+    """What `Pruning` carries from step to step (its `init_state`).
+
+    Attributes:
+        masks: One mask per pruned weight, in `pruned_weights` order: nonzero where
+            the weight's entry is kept (bool under XLA, else the weight's dtype).
+    """
+
+    masks: tuple
 
 
 def _nonzero(value):

@@ -25,7 +25,6 @@ class PrunableWeight:
     variable: object
     axis: int  # the axis N:M groups run along (the contracted input axis)
     kind: str  # "dense", "conv", "depthwise", "embedding", "custom", ...
-    mask: object = None
 
     @property
     def path(self) -> str:

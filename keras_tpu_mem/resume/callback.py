@@ -24,7 +24,7 @@ import keras
 from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int, logger, unique
-from keras_tpu_mem.engine import Engine, FitRefused, observe_first_batch
+from keras_tpu_mem.engine import Engine, FitRefused, StepContext, observe_first_batch
 from keras_tpu_mem.resume import store
 
 _MODEL, _OPTIMIZER, _METRICS = "model", "optimizer", "metrics"
@@ -102,6 +102,34 @@ def _build_optimizer(model) -> None:
     strategy = keras_compat.model_strategy(model)
     with strategy.scope() if strategy is not None else contextlib.nullcontext():
         optimizer.build(model.trainable_variables)
+
+
+class _StateLeaf:
+    """One value of a feature's state (`Feature.init_state`), which the engine holds,
+    read and written as the checkpoint reads and writes a variable (`path`, `shape`,
+    `dtype`, `value`, `assign`)."""
+
+    def __init__(self, engine, feature, template, index: int):
+        self.engine, self.feature, self.index = engine, feature, index
+        self._template = template
+        leaf = keras.tree.flatten(template)[index]
+        self.path = f"{feature.name}/state/{index}"
+        self.shape = tuple(int(d) for d in leaf.shape)
+        self.dtype = keras.backend.standardize_dtype(leaf.dtype)
+
+    def _current(self):
+        state = self.engine.feature_state(self.feature)
+        return self._template if state is None else state
+
+    @property
+    def value(self):
+        return keras.tree.flatten(self._current())[self.index]
+
+    def assign(self, value) -> None:
+        leaves = list(keras.tree.flatten(self._current()))
+        leaves[self.index] = value
+        self.engine.set_feature_state(
+            self.feature, keras.tree.pack_sequence_as(self._template, leaves))
 
 
 class ResumableCheckpoint(keras.callbacks.Callback):
@@ -211,8 +239,15 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         owners = [(_MODEL, model.variables),
                   (_OPTIMIZER, optimizer.variables if optimizer else []),
                   (_METRICS, model.metrics_variables)]
-        owners += [(f"feature:{feature.name}", feature.step_variables())
-                   for feature in Engine.attach(model).features]
+        engine = Engine.attach(model)
+        for feature in engine.features:
+            template = engine.feature_state(feature)
+            if template is None:  # TensorFlow: its carriers are made in the first step
+                template = feature.init_state(StepContext.outside(model))
+            if template is not None:
+                owners.append((f"feature:{feature.name}", [
+                    _StateLeaf(engine, feature, template, index)
+                    for index in range(len(keras.tree.flatten(template)))]))
         groups, seen = {}, set()
         for name, variables in owners:  # a variable two owners list is saved once, first
             groups[name] = [v for v in unique(variables) if id(v) not in seen]

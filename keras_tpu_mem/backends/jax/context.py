@@ -2,10 +2,10 @@
 
 Contract: `keras_tpu_mem.backends.contracts.Context` (the same functions in
 `backends/tensorflow/context.py`, whose docstrings say what each does). Here a
-feature's state is carried in the jitted state, values in and values out:
-the engine runs `after_update` inside a `keras.StatelessScope`, where `.value`
-reads this step's post-update values and `assign` makes them part of the
-step's new state.
+feature's state is carried beside Keras' state into and out of the jitted step,
+values in and values out (`feature_state.py`); the engine runs `after_update`
+inside a `keras.StatelessScope`, where a model variable's `.value` reads this
+step's post-update value and `assign` makes it part of the step's new state.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import jax
 import keras
 import numpy as np
 from keras import ops
-
-from keras_tpu_mem._compat import jax as jax_compat
 
 
 def update_count_dtype() -> str:
@@ -41,25 +39,18 @@ def eagerly(fn):
     return fn()
 
 
-def state_variable(model, like, dtype, name: str):
-    """Owned by a feature, not the model; the engine carries its value beside
-    Keras' state, laid out exactly like `like` (under ModelParallel: the same
-    shards)."""
-    variable = keras.Variable(initializer="ones", shape=tuple(like.shape), dtype=dtype,
-                              trainable=False, name=name)
+def ones_like(like, dtype):
+    """Laid out exactly like `like` (under ModelParallel: the same shards)."""
     ones = np.ones(tuple(like.shape), dtype=keras.backend.standardize_dtype(dtype))
     if keras.distribution.distribution() is None:
         # Uncommitted, like Keras' own state without a distribution: a committed
         # state would commit every output of the step, and the next fit's step
         # (same shapes, now committed arguments) would compile a second time.
-        value = jax.numpy.asarray(ones)
-    else:
-        value = jax.device_put(ones, like.value.sharding)
-    jax_compat.set_variable_value(variable, value)
-    return variable
+        return jax.numpy.asarray(ones)
+    return jax.device_put(ones, like.value.sharding)
 
 
-def set_state(variable, like, fn) -> None:
+def computed_like(like, fn, dtype):
     """`fn` should be a module-level function: it is compiled once per layout."""
     # On the device array, never gathered to the host: under sharded state in a
     # multi-process run (a resume under ShardedDataParallel) a process holds only
@@ -71,10 +62,10 @@ def set_state(variable, like, fn) -> None:
         value = fn(current)
     else:
         value = jax.jit(fn, out_shardings=current.sharding)(current)
-    dtype = keras.backend.standardize_dtype(variable.dtype)
+    dtype = keras.backend.standardize_dtype(dtype)
     if keras.backend.standardize_dtype(value.dtype) != dtype:
         value = value.astype(dtype)
-    jax_compat.set_variable_value(variable, value)
+    return value
 
 
 def update_count(optimizer):
@@ -85,17 +76,13 @@ def assign(variable, value) -> None:
     variable.assign(value)
 
 
-def assign_where(condition, variables, new_values) -> None:
-    """Assigns outside the branches: values computed inside a cond must leave it
-    as its outputs, not as assignments."""
-    if not variables:
-        return
-    values = ops.cond(condition,
-                      lambda: [ops.cast(value, variable.dtype)
-                               for variable, value in zip(variables, new_values())],
-                      lambda: [variable.value for variable in variables])
-    for variable, value in zip(variables, values):
-        variable.assign(value)
+def state_where(condition, ctx, new_state):
+    """A `cond` whose branches return the state (values in, values out)."""
+    current = ctx.state
+    return ops.cond(condition,
+                    lambda: keras.tree.map_structure(
+                        lambda new, old: ops.cast(new, old.dtype), new_state(), current),
+                    lambda: current)
 
 
 def checked(condition, valid, message: str, *data):

@@ -1,160 +1,156 @@
-"""The features' own variables on JAX, carried between jitted calls as Keras
-carries its state.
+"""The features' state on JAX, carried beside Keras' state from jitted call to call.
 
 Keras' JAX `fit` keeps the model's state (weights, optimizer, metrics) out of
 the variables during an epoch: each train-function call takes the previous
-call's outputs, and the variables get them back only where something can read
-them (`model.jax_state_sync()`; `model.state_sync()` from Keras 3.16): at the
-end of each epoch, and whenever a callback reads its `model` property. The
-features' step variables (pruning masks, a distillation temperature) are carried the same way by
-`CarriedFeatureState`: the last call's outputs go straight into the next call,
-and are written into the variables when Keras syncs its own state. A write to a
-feature variable between calls (a temperature schedule in
-`on_train_batch_begin`, the masks re-derived on resume) is seen by the
-identity of the variable's value object and taken into the next call. Frozen
-variables (a teacher's weights) are read once, then again only when written.
+call's outputs. The features' state (each feature's `init_state`: pruning masks,
+a distillation temperature) is carried the same way, as values the engine holds
+(`FeatureStates`): a train function hands them to its step and keeps what the
+step returns; `Engine.feature_state(feature)` reads them between calls and
+`Engine.set_feature_state(feature, state)` replaces them (a temperature schedule
+at an epoch's start, the masks re-derived on a resume), for the next call. No
+variable holds them, so nothing is synced back. Frozen variables (a teacher's
+weights) are read from their variables at every call: attribute reads, no copy.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import keras
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
+from keras_tpu_mem.backends.step import StepContext, check_state_replacement
 
 
 class FeatureValues(NamedTuple):
-    """The features' own variables' values as a step takes them (its third argument).
+    """The features' values as a step takes them (its third argument).
 
     Attributes:
-        carried: Values of the `step_variables` (the step returns their new values).
+        carried: Feature name -> its state (the step returns the new states).
         frozen: Values of the `frozen_variables` (read only).
     """
 
-    carried: list
+    carried: dict
     frozen: list
 
 
-def feature_variables(features):
-    """`(carried, frozen)` Keras variables the features own (see
-    `Feature.step_variables` / `Feature.frozen_variables`), in feature order."""
-    carried, frozen = [], []
-    for feature in features:
-        carried.extend(feature.step_variables())
-        frozen.extend(feature.frozen_variables())
-    return carried, frozen
+def frozen_variables(features) -> list:
+    """The Keras variables the features read in the step and never write
+    (`Feature.frozen_variables`), in feature order."""
+    return [v for feature in features for v in feature.frozen_variables()]
 
 
-def feature_mapping(features, values: FeatureValues) -> list:
-    """`(variable, value)` pairs of the features' variables for a `keras.StatelessScope`.
+def frozen_mapping(features, values: FeatureValues) -> list:
+    """`(variable, value)` pairs of the features' frozen variables for a
+    `keras.StatelessScope`.
 
     Raises:
-        ValueError: `values` do not match the features' variables in number.
+        ValueError: `values` do not match the features' frozen variables in number.
     """
-    carried, frozen = feature_variables(features)
-    if len(values.carried) != len(carried) or len(values.frozen) != len(frozen):
+    frozen = frozen_variables(features)
+    if len(values.frozen) != len(frozen):
         raise ValueError(
-            f"The step got {len(values.carried)} carried and {len(values.frozen)} frozen "
-            f"feature values for {len(carried)} and {len(frozen)} feature variables; pass "
-            "`Step.feature_state()` as the step's third argument.")
-    return [*zip(carried, values.carried), *zip(frozen, values.frozen)]
+            f"The step got {len(values.frozen)} frozen feature values for {len(frozen)} "
+            "frozen variables; pass `Step.feature_values()` as the step's third argument.")
+    return list(zip(frozen, values.frozen))
 
 
-class CarriedFeatureState:
-    """The carried and frozen feature values a train function hands its step.
+def _placed(value, like=None):
+    """`value` as a JAX array where the step takes it: `like`'s dtype and sharding when
+    given (a state replaced between calls keeps its leaf's); else, under a
+    `keras.distribution`, its own sharding if it is laid out over a mesh (a mask made
+    like its kernel) or replicated over the distribution's mesh; uncommitted
+    without one, like Keras' own state."""
+    if like is not None:
+        value = jax.numpy.asarray(value, dtype=like.dtype)
+        if isinstance(like.sharding, NamedSharding):
+            return jax.device_put(value, like.sharding)
+        return value
+    value = jax.numpy.asarray(value)
+    distribution = keras.distribution.distribution()
+    if distribution is None or isinstance(value.sharding, NamedSharding):
+        return value
+    mesh = jax_compat.backend_mesh(distribution.device_mesh)
+    return jax.device_put(value, NamedSharding(mesh, PartitionSpec()))
+
+
+class FeatureStates:
+    """Each feature's state between jitted calls (see the module docstring).
 
     Args:
-        model: The Keras model being fit; its `jax_state_sync()` also writes the
-            carried values back into their variables (see `attach`).
-        carried: Keras variables the step reads and returns (in step order).
-        frozen: Keras variables the step only reads.
+        model: The model whose engine holds them.
 
     Example:
 
     ```python
-    state = CarriedFeatureState(model, carried, frozen).attach()
-    logs, keras_state, values = step(keras_state, data, state.inputs())
-    state.carry(values)   # the variables get them at the next sync
+    states = FeatureStates(model)
+    states.start(features)                 # each feature's init_state, at a fit's start
+    logs, keras_state, new = step(keras_state, data, states.inputs(features))
+    states.carry(new)
     ```
     """
 
-    def __init__(self, model, carried, frozen):
+    def __init__(self, model):
         self.model = model
-        self.carried = list(carried)
-        self.frozen = list(frozen)
-        self._values = self._seen = None  # the next step's carried values; objects seen
-        self._frozen = self._frozen_seen = None
-        self._pending = False  # the variables are behind `_values`
+        self.values: dict = {}
 
-    @staticmethod
-    def _read(variables, values, seen):
-        """Refreshes `values` from the variables written since `seen` was taken."""
-        if values is None:
-            return [v.value for v in variables], [
-                jax_compat.variable_value_object(v) for v in variables]
-        for i, variable in enumerate(variables):
-            current = jax_compat.variable_value_object(variable)
-            if current is not seen[i]:  # assigned since (a callback, a resume)
-                seen[i] = current
-                values[i] = variable.value
-        return values, seen
+    def start(self, features) -> None:
+        """Each feature's `init_state`, for a new fit."""
+        ctx = StepContext.outside(self.model)
+        values = {}
+        for feature in features:
+            state = feature.init_state(ctx)
+            if state is not None:
+                values[feature.name] = keras.tree.map_structure(_placed, state)
+        self.values = values
 
-    def inputs(self):
-        """`(carried values, frozen values)` for the next call: the last call's
-        outputs, or a variable's value where something wrote it since."""
-        self._values, self._seen = self._read(self.carried, self._values, self._seen)
-        self._frozen, self._frozen_seen = self._read(self.frozen, self._frozen,
-                                                     self._frozen_seen)
-        return list(self._values), list(self._frozen)
+    def for_step(self, features) -> dict:
+        """The states a step of `features` takes: the held ones, or `init_state`'s for a
+        feature that has none held (a step compiled outside a fit: planning)."""
+        ctx, values = None, {}
+        for feature in features:
+            state = self.values.get(feature.name)
+            if state is None:
+                ctx = ctx or StepContext.outside(self.model)
+                state = feature.init_state(ctx)
+                if state is not None:
+                    state = keras.tree.map_structure(_placed, state)
+            if state is not None:
+                values[feature.name] = state
+        return values
 
-    def carry(self, values) -> None:
-        """Keeps a call's carried outputs for the next call (and the next sync)."""
-        self._values = list(values)
-        self._pending = True
+    def inputs(self, features) -> FeatureValues:
+        """The next call's third argument: the held states and the frozen values."""
+        return FeatureValues(dict(self.values),
+                             [v.value for v in frozen_variables(features)])
 
-    def sync(self) -> None:
-        """Writes the carried values into their variables, except where a
-        variable was written since the last call (that newer value stays, and
-        the next call takes it)."""
-        if not self._pending:
-            return
-        self._pending = False
-        for i, variable in enumerate(self.carried):
-            if jax_compat.variable_value_object(variable) is not self._seen[i]:
-                continue  # written since the last call: `inputs()` will take it
-            jax_compat.set_variable_value(variable, self._values[i])
-            self._seen[i] = jax_compat.variable_value_object(variable)
+    def carry(self, carried: dict) -> None:
+        """Keeps a call's new states for the next call."""
+        self.values.update(carried)
 
-    def attach(self) -> CarriedFeatureState:
-        """Makes the model's state sync (`jax_state_sync()`; `state_sync()` from
-        Keras 3.16) write these values too, before Keras' own state: it runs
-        at every epoch's end, after `evaluate`/`predict`, and when a callback
-        reads its `model` (checkpoints, `BackupAndRestore`, the pruning
-        summaries). A state attached before (an earlier train function) is
-        synced first and replaced."""
-        model = self.model
-        name = jax_compat.state_sync_name(model)
-        previous = model.__dict__.get(name)
-        if isinstance(previous, _Sync):
-            previous.state.sync()
-        # object.__setattr__ keeps Keras' attribute tracking out of it.
-        object.__setattr__(model, name, _Sync(self, name))
-        return self
+    def get(self, feature):
+        """`feature`'s state (None: it has none, or no fit made it yet)."""
+        return self.values.get(feature.name)
 
+    def set(self, feature, state) -> None:
+        """Replaces `feature`'s state for the next call: the same structure, each value
+        cast to the held one's dtype and laid out as it is.
 
-class _Sync:
-    """`model.jax_state_sync` with the features' carried values synced first."""
-
-    def __init__(self, state: CarriedFeatureState, name: str):
-        self.state = state
-        self.name = name
-
-    def __call__(self):
-        self.state.sync()
-        model = self.state.model
-        return getattr(type(model), self.name)(model)
+        Raises:
+            ValueError: `feature` holds no state, or `state` has another structure or
+                other shapes.
+        """
+        held = self.values.get(feature.name)
+        if held is None:
+            raise ValueError(
+                f"{type(feature).__name__} holds no state in this fit: its "
+                "`init_state` returned None, or no fit with it started yet.")
+        check_state_replacement(feature, held, state)
+        self.values[feature.name] = keras.tree.map_structure(
+            lambda new, old: _placed(new, like=old), state, held)
 
 
 class UpdateCounter:
@@ -189,52 +185,51 @@ class UpdateCounter:
         self._last, self._count = state[2][self._index], update
 
 
-def quiet_steps_possible(model, features, has_hook) -> bool:
+def quiet_steps_possible(model, features, states: FeatureStates, has_hook) -> bool:
     """Whether a quiet step (`Feature.quiet_update`) can be chosen: every feature with
-    step variables fills `quiet_update` (`has_hook(feature, "quiet_update")`), and
+    state fills `quiet_update` (`has_hook(feature, "quiet_update")`), and
     `optimizer.iterations` advances by one a step (a `LossScaleOptimizer` skips the
     updates with non-finite gradients)."""
-    carriers = [f for f in features if f.step_variables()]
+    carriers = [f for f in features if states.get(f) is not None]
     return (bool(carriers) and all(has_hook(f, "quiet_update") for f in carriers)
             and not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer))
 
 
-def carrying_step(model, features, carried, frozen, step, quiet_step=None):
+def carrying_step(model, features, states: FeatureStates, step, quiet_step=None):
     """The train function's `(state, data) -> (logs, state)` around a step that takes
-    the features' carried and frozen values and returns the carried ones.
+    the features' states and frozen values and returns the new states.
 
     With `quiet_step` (the same step compiled with `quiet=True`, which returns no
-    carried values), each update that every feature with step variables calls quiet
+    states), each update that every feature with state calls quiet
     (`Feature.quiet_update`) runs it instead.
-
-    Returns:
-        `(train_step, on_error)`: `on_error()` writes the carried values into their
-        variables (for an error of the step).
     """
-    values = CarriedFeatureState(model, carried, frozen).attach()
-    carriers = [f for f in features if f.step_variables()]
+    features = tuple(features)  # the build's snapshot (the engine's list changes)
+    carriers = [f for f in features if states.get(f) is not None]
     counter = UpdateCounter(model) if quiet_step is not None else None
 
     def train_step(state, data):
-        inputs = values.inputs()
+        inputs = states.inputs(features)
         update = None if counter is None else counter.next_update(state)
         if update is not None and all(f.quiet_update(update) for f in carriers):
             logs, state = quiet_step(state, data, inputs)
         else:
-            logs, state, outputs = step(state, data, inputs)
-            values.carry(outputs)
+            logs, state, carried = step(state, data, inputs)
+            states.carry(carried)
         if counter is not None:
             counter.advance(state, update)
         return logs, state
 
-    return train_step, values.sync
+    return train_step
 
 
-def check_quiet(features, given, returned) -> None:
-    """A quiet step's features left their carried values as given (`Feature.quiet_update`)."""
-    if any(new is not old for old, new in zip(given, returned)):
-        names = ", ".join(type(f).__name__ for f in features if f.step_variables())
+def check_quiet(features, given: dict, returned: dict) -> None:
+    """A quiet step's features left their states as given (`Feature.quiet_update`)."""
+    changed = [name for name in given
+               if any(new is not old for old, new in zip(keras.tree.flatten(given[name]),
+                                                          keras.tree.flatten(returned[name])))]
+    if changed:
+        names = ", ".join(type(f).__name__ for f in features if f.name in changed)
         raise ValueError(
-            f"A feature among {names} assigned a step variable in an update its "
-            "quiet_update(update) called quiet; return False there, or assign nothing "
-            "when ctx.quiet is True.")
+            f"{names} changed its state in an update its quiet_update(update) called "
+            "quiet; return False there, or return ctx.state unchanged when ctx.quiet is "
+            "True.")

@@ -23,7 +23,7 @@ import keras
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._compat import keras as keras_compat
-from keras_tpu_mem.backends.jax.feature_state import FeatureValues, feature_mapping
+from keras_tpu_mem.backends.jax.feature_state import FeatureValues, frozen_mapping
 from keras_tpu_mem.backends.step import StepContext
 from keras_tpu_mem.backends.structure import leading_dim
 
@@ -108,12 +108,13 @@ class LocalGradients:
         mapping = [*zip(model.trainable_variables, trainable),
                    *zip(model.non_trainable_variables, non_trainable),
                    *zip(model.metrics_variables, metrics_vars),
-                   *feature_mapping(self.features, feature_state)]
-        # Loss terms may read Keras variables (a temperature schedule, a
-        # teacher's weights): they must see this step's values, not the purged
-        # model variables nor concrete arrays jit would embed as constants.
+                   *frozen_mapping(self.features, feature_state)]
+        # Loss terms may read Keras variables (a teacher's weights): they must see
+        # this step's values, not the purged model variables nor concrete arrays jit
+        # would embed as constants. Their own state is `ctx.state`.
         with keras.StatelessScope(state_mapping=mapping):
             for feature in self.features:
+                ctx.state = feature_state.carried.get(feature.name)
                 loss = feature.transform_loss(loss, ctx)
         unscaled = loss
         if model.optimizer is not None:

@@ -24,7 +24,6 @@ import keras
 from jax.sharding import PartitionSpec
 
 from keras_tpu_mem._compat import jax as jax_compat
-from keras_tpu_mem.backends.jax.feature_state import CarriedFeatureState
 from keras_tpu_mem.backends.jax.reducers import PER_DEVICE
 from keras_tpu_mem.backends.jax.train_function import multi_step_train_function
 
@@ -102,7 +101,7 @@ class Window:
 
 
 def pulled_train_function(model, engine, k: int, steps: dict, zeros: Callable[[], list],
-                          carried, frozen) -> Callable:
+                          states, features) -> Callable:
     """Keras' train function over pulled micro-batches.
 
     Args:
@@ -112,24 +111,23 @@ def pulled_train_function(model, engine, k: int, steps: dict, zeros: Callable[[]
         k: Micro-batches per update.
         steps: `{False: accumulating step, True: applying step}`, each `(state,
             accumulators, data[, feature values]) -> (logs, state, accumulators[,
-            carried values])`.
+            new feature states])`.
         zeros: Makes fresh zero accumulators.
-        carried, frozen: The features' variables the steps carry and read.
+        states: The features' `FeatureStates` the steps take and return, or None
+            where no feature has state or frozen variables.
+        features: The step's features.
     """
     window = Window(zeros)
-    # The features' values are carried beside Keras' state (see
-    # `CarriedFeatureState`), written into their variables when Keras syncs.
-    features = CarriedFeatureState(model, carried, frozen).attach() if (
-        carried or frozen) else None
+    features = tuple(features)  # the build's snapshot (the engine's list changes)
 
     def micro_step(state, data):
         position = engine.pending_micro_batches()
         accumulators = window.take(position)
         step = steps[position == k - 1]
-        if features is not None:
-            logs, state, accumulators, values = step(state, accumulators, data,
-                                                     features.inputs())
-            features.carry(values)
+        if states is not None:
+            logs, state, accumulators, carried = step(state, accumulators, data,
+                                                      states.inputs(features))
+            states.carry(carried)
         else:
             logs, state, accumulators = step(state, accumulators, data)
         window.keep(accumulators, engine.advance_window(1, k))
@@ -137,8 +135,6 @@ def pulled_train_function(model, engine, k: int, steps: dict, zeros: Callable[[]
 
     def forget_window():
         window.forget()
-        if features is not None:
-            features.sync()
 
     train_function = multi_step_train_function(model, engine, micro_step,
                                                int(model.steps_per_execution),

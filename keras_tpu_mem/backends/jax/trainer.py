@@ -59,11 +59,12 @@ import numpy as np
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.backends.jax.feature_state import (
+    FeatureStates,
     FeatureValues,
     carrying_step,
     check_quiet,
-    feature_mapping,
-    feature_variables,
+    frozen_mapping,
+    frozen_variables,
     quiet_steps_possible,
 )
 from keras_tpu_mem.backends.jax.gradients import Batch, LocalGradients, TrainState
@@ -101,7 +102,8 @@ def _raising(error: Exception):
 class _StepInputs(NamedTuple):
     """What every step reads first from its data and feature values."""
 
-    has_feature_state: bool  # the features own variables: the step returns the carried
+    has_feature_state: bool  # the features have state or frozen variables: the step
+    # takes them as its third argument and returns the new states
     feature_state: FeatureValues
     batch: Batch
     size: int  # the leading batch dimension
@@ -129,6 +131,8 @@ class Step:
         self.engine = engine
         self.model = engine.model
         self.jitted_step = None
+        #: Each feature's state between jitted calls (`Feature.init_state`).
+        self.states = FeatureStates(self.model)
 
     @property
     def features(self) -> list:
@@ -243,34 +247,57 @@ class Step:
         restore_variables(self.model, args[0])
 
     # ------------------------------------------------------- feature state
-    def feature_state(self, features=None):
-        """`(carried values, frozen values)` of the features' own variables, as the
-        step takes them as its third argument."""
-        carried, frozen = feature_variables(self.features if features is None else features)
-        return [v.value for v in carried], [v.value for v in frozen]
+    def start_feature_states(self, features) -> bool:
+        """Each feature's `init_state`, at the start of a fit. False: a step traced
+        before still holds (states are its inputs)."""
+        self.states.start(features)
+        return False
+
+    def feature_state(self, feature):
+        """`feature`'s state as the last call left it (None: none)."""
+        return self.states.get(feature)
+
+    def set_feature_state(self, feature, state) -> None:
+        """Replaces `feature`'s state for the next call (see `FeatureStates.set`)."""
+        self.states.set(feature, state)
+
+    def feature_values(self, features=None) -> FeatureValues:
+        """The features' states and frozen values, as the step takes them as its third
+        argument."""
+        features = self.features if features is None else features
+        return FeatureValues(self.states.for_step(features),
+                             [v.value for v in frozen_variables(features)])
 
     def _after_update(self, features, trainable, non_trainable, optimizer_vars,
-                      feature_state: FeatureValues, ctx):
+                      values: FeatureValues, ctx):
         """The features' `after_update` hooks as a function of values: each runs in a
-        `keras.StatelessScope` mapping the model's, the optimizer's and the features'
-        variables to their post-update values; its assignments become the new values
-        (the step stays pure, and the same hook runs on TensorFlow, where it writes
-        the variables). Returns `(trainable, non_trainable, carried values)`."""
+        `keras.StatelessScope` mapping the model's and the optimizer's variables to their
+        post-update values (and the frozen ones to theirs), with its state as
+        `ctx.state`; its assignments become the model's new values and what it returns
+        its new state (the step stays pure, and the same hook runs on TensorFlow, where
+        it writes the variables). Returns `(trainable, non_trainable, new states)`."""
         model = self.model
-        carried, _ = feature_variables(features)
-        values = list(feature_state.carried)
+        carried = dict(values.carried)
         hooks = [f for f in features if self.engine.has_hook(f, "after_update")]
         if not hooks:
-            return trainable, non_trainable, values
+            return trainable, non_trainable, carried
         groups = [(model.trainable_variables, list(trainable)),
-                  (model.non_trainable_variables, list(non_trainable)),
-                  (carried, values)]
+                  (model.non_trainable_variables, list(non_trainable))]
+        frozen = frozen_mapping(features, values)
         for feature in hooks:
-            mapping = [*zip(model.optimizer.variables, optimizer_vars),
-                       *feature_mapping(features, FeatureValues(values, feature_state.frozen))]
-            mapping += [*zip(groups[0][0], groups[0][1]), *zip(groups[1][0], groups[1][1])]
+            mapping = [*zip(model.optimizer.variables, optimizer_vars), *frozen,
+                       *zip(groups[0][0], groups[0][1]), *zip(groups[1][0], groups[1][1])]
+            ctx.state = carried.get(feature.name)
             with keras.StatelessScope(state_mapping=mapping) as scope:
-                feature.after_update(ctx)
+                new = feature.after_update(ctx)
+            if new is not None:
+                if feature.name not in carried:
+                    raise ValueError(
+                        f"{type(feature).__name__}.after_update returned a state, but its "
+                        "init_state returned None: a feature's state is made by "
+                        "init_state.")
+                carried[feature.name] = keras.tree.map_structure(
+                    lambda value, old: value.astype(old.dtype), new, carried[feature.name])
             for variables, current in groups:
                 for i, variable in enumerate(variables):
                     value = scope.get_current_value(variable)
@@ -281,18 +308,18 @@ class Step:
                     raise ValueError(
                         f"{type(feature).__name__}.after_update assigned the optimizer "
                         f"variable {variable.path!r}; after-update hooks may write only "
-                        "model and feature variables.")
-            values = groups[2][1]
-        return groups[0][1], groups[1][1], groups[2][1]
+                        "the model's variables (and return their own state).")
+        ctx.state = None
+        return groups[0][1], groups[1][1], carried
 
     # --------------------------------------------------------------- the steps
     def _inputs(self, features, data, feature_state, shards, what, instead) -> _StepInputs:
         """What every step reads first; the batch must split over the `shards`
         data-parallel devices (else a `ValueError` naming `what` and `instead`)."""
-        has_feature_state = any(feature_variables(features))
         if feature_state is None:
-            feature_state = self.feature_state(features)
-        feature_state = FeatureValues(list(feature_state[0]), list(feature_state[1]))
+            feature_state = self.feature_values(features)
+        feature_state = FeatureValues(dict(feature_state[0]), list(feature_state[1]))
+        has_feature_state = bool(feature_state.carried) or bool(feature_state.frozen)
         extras = {}
         for feature in features:
             data, more = feature.split_extras(data)
@@ -314,10 +341,11 @@ class Step:
         of the engine's features, so that a later trace of the same step
         (`jitted_step.lower`) builds the same step.
 
-        With features that own variables (`step_variables`/`frozen_variables`) the step
-        is `(state, data, feature_state) -> (logs, state, carried values)` (`quiet`: no
-        carried values, see `Feature.quiet_update`); called without `feature_state`,
-        the variables' current values are used (as constants)."""
+        With features that have state (`init_state`) or frozen variables the step is
+        `(state, data, feature_values) -> (logs, state, new states)` (`quiet`: no new
+        states, see `Feature.quiet_update`); called without `feature_values`, the held
+        states (or `init_state`'s) and the frozen variables' values are used (as
+        constants)."""
         model, features = self.model, local.features
         inputs = self._inputs(features, data, feature_state, reducer.shards,
                               "The global batch", "a global batch")
@@ -339,7 +367,7 @@ class Step:
             features, trainable, reduced.non_trainable, optimizer_vars,
             inputs.feature_state, ctx)
         new_state = (trainable, non_trainable, optimizer_vars, reduced.metrics)
-        if quiet:  # `make_step(quiet=True)`: the carried values stay as they came
+        if quiet:  # `make_step(quiet=True)`: the states stay as they came
             check_quiet(features, inputs.feature_state.carried, carried)
         elif inputs.has_feature_state:
             return logs, new_state, carried
@@ -377,7 +405,7 @@ class Step:
         new_state = (list(trainable), list(non_trainable), list(optimizer_vars),
                      list(out.metrics))
         if inputs.has_feature_state:
-            return logs, new_state, out.accumulators, list(carried)
+            return logs, new_state, out.accumulators, dict(carried)
         return logs, new_state, out.accumulators
 
     # -------------------------------------------------------- the train function
@@ -387,11 +415,11 @@ class Step:
         if keras.distribution.distribution() is None:
             return None
         out_shardings = (None, jax_compat.state_sharding_spec(self.model), *more)
-        carried, frozen = feature_variables(self.features)
-        if (carried or frozen) and not quiet:
-            # Carried feature values (pruning masks) keep the shardings they were
-            # given (a mask: its kernel's), step after step.
-            out_shardings += ([v.value.sharding for v in carried],)
+        values = self.feature_values()
+        if (values.carried or values.frozen) and not quiet:
+            # The features' states (pruning masks) keep the shardings they were given
+            # (a mask: its kernel's), step after step.
+            out_shardings += (jax.tree_util.tree_map(lambda v: v.sharding, values.carried),)
         return out_shardings
 
     def _reducer(self, layout):
@@ -438,7 +466,8 @@ class Step:
                 "keras_tpu_mem's JAX engine does not support Keras' Flax NNX mode "
                 "(keras.config.is_nnx_enabled() is True); unset KERAS_NNX_ENABLED.")
         jit = not model.run_eagerly and bool(model.jit_compile)
-        carried, frozen = feature_variables(self.features)
+        values = self.feature_values()
+        carries = bool(values.carried) or bool(values.frozen)
         pulled = self.engine.batches_per_update()
         if pulled > 1:
             check_pulled_micro_batches(model, pulled)
@@ -447,16 +476,16 @@ class Step:
             shardings = accumulator_shardings(model, reducer)
             return pulled_train_function(
                 model, self.engine, pulled, steps,
-                lambda: zero_accumulators(model, reducer, shardings), carried, frozen)
+                lambda: zero_accumulators(model, reducer, shardings),
+                self.states if carries else None, self.features)
         step = self.make_step(jit=jit)
         self.jitted_step = step if jit else None
-        on_error = None
-        if carried or frozen:
+        if carries:
             # Carried from call to call beside Keras' state (and a quiet step, if any).
             quiet = (self.make_step(jit=jit, quiet=True) if quiet_steps_possible(
-                model, self.features, self.engine.has_hook) else None)
-            step, on_error = carrying_step(model, self.features, carried, frozen, step, quiet)
+                model, self.features, self.states, self.engine.has_hook) else None)
+            step = carrying_step(model, self.features, self.states, step, quiet)
         train_function = multi_step_train_function(
-            model, self.engine, step, int(model.steps_per_execution), on_error=on_error)
+            model, self.engine, step, int(model.steps_per_execution))
         train_function.jitted_step = self.jitted_step
         return train_function

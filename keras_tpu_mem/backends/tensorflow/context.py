@@ -3,13 +3,14 @@
 `keras_tpu_mem.backends.step.StepContext` is everything a feature sees: inside
 the step (the update count, writing a variable on every replica, a conditional
 update, a checked condition, a float mask) and around it, for the state a
-feature carries beside the model (a new state variable laid out like a weight,
-setting it outside the step, running eagerly) and what the backend's step can
-run. Its methods are these functions; both backends offer the same ones (the
-contract is `keras_tpu_mem.backends.contracts.Context`, checked by a test).
+feature carries beside the model (values laid out like a weight, running
+eagerly) and what the backend's step can run. Its methods are these functions;
+both backends offer the same ones (the contract is
+`keras_tpu_mem.backends.contracts.Context`, checked by a test).
 
-Here a feature's state is Keras variables the step writes in place: replica-local
-(sync-on-read) under the model's strategy, assigned inside the compiled step.
+Here a feature's state is carried in variables the engine makes from its
+`init_state` (`feature_state.FeatureStates`): replica-local (sync-on-read) under the model's
+strategy, read at the start of its hooks and written inside the compiled step.
 """
 
 from __future__ import annotations
@@ -49,20 +50,14 @@ def eagerly(fn):
         return fn()
 
 
-def state_variable(model, like, dtype, name: str):
-    """A new all-ones variable of `like`'s shape, owned by a feature (never by the
-    model): replica-local (sync-on-read), each replica writes its own copy in the
-    step (all copies equal: same mirrored weights, same computation)."""
-    with model.distribute_strategy.scope():
-        return keras.Variable(
-            initializer="ones", shape=tuple(like.shape), dtype=dtype, trainable=False,
-            synchronization="on_read", aggregation="only_first_replica", name=name)
+def ones_like(like, dtype):
+    """Outside the step: all ones of `like`'s shape and `dtype`."""
+    return tf.ones(tuple(like.shape), dtype=dtype)
 
 
-def set_state(variable, like, fn) -> None:
-    """Outside the step: `variable` = `fn(like's value)` (keras.ops, elementwise)."""
-    value = fn(tf.convert_to_tensor(like.value))
-    variable.assign(tf.cast(value, variable.dtype))
+def computed_like(like, fn, dtype):
+    """Outside the step: `fn(like's value)` (keras.ops, elementwise) as `dtype`."""
+    return tf.cast(fn(tf.convert_to_tensor(like.value)), dtype)
 
 
 def update_count(optimizer):
@@ -87,16 +82,21 @@ def _assign(variable, value):
     return variable.assign(value)
 
 
-def assign_where(condition, variables, new_values) -> None:
-    """Inside the step: where `condition` holds, each of `variables` takes the value
-    `new_values()` gives (computed only then, inside a `tf.cond`)."""
+def state_where(condition, ctx, new_state):
+    """Inside the step: where `condition` holds, the feature's carriers take
+    `new_state()` inside a `tf.cond` (computed and written only then); returns what
+    they hold after it, which the engine then does not write again."""
+    carriers = keras.tree.flatten(ctx.state_carriers)
 
     def update():
-        for variable, value in zip(variables, new_values()):
+        for variable, value in zip(carriers, keras.tree.flatten(new_state()), strict=True):
             variable.assign(tf.cast(value, variable.dtype))
         return tf.constant(True)
 
     tf.cond(condition, update, lambda: tf.constant(False))
+    fresh = [variable.value for variable in carriers]
+    ctx.written.extend(fresh)
+    return keras.tree.pack_sequence_as(ctx.state_carriers, fresh)
 
 
 def checked(condition, valid, message: str, *data):

@@ -32,6 +32,7 @@ from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._compat import tensorflow as tf_compat
 from keras_tpu_mem.backends.step import MICRO_BATCH_SPLIT, StepContext, check_pulled_micro_batches
 from keras_tpu_mem.backends.structure import leading_dim
+from keras_tpu_mem.backends.tensorflow.feature_state import FeatureStates
 
 
 def update_variable(variable, fn, *args):
@@ -66,6 +67,8 @@ class Step:
     def __init__(self, engine):
         self.engine = engine
         self.model = engine.model
+        #: Each feature's state, in variables (`Feature.init_state`).
+        self.states = FeatureStates(self.model)
 
     @property
     def features(self):
@@ -125,6 +128,20 @@ class Step:
     def abandon_call(self, args) -> None:
         """Nothing to put back: on TensorFlow the variables hold the state throughout."""
 
+    # ------------------------------------------------------- feature state
+    def start_feature_states(self, features) -> bool:
+        """At a fit's start: the carriers there are take the features' `init_state`;
+        True where some had to be dropped (the step must be traced again)."""
+        return self.states.start(features)
+
+    def feature_state(self, feature):
+        """`feature`'s state: the values of its carriers (None: none yet)."""
+        return self.states.get(feature)
+
+    def set_feature_state(self, feature, state) -> None:
+        """Between steps: `feature`'s carriers take `state`."""
+        self.states.set(feature, state)
+
     # ------------------------------------------------------------ the step
     def _forward(self, x, y, sample_weight, extras, num_micro):
         """Forward pass and loss of one (micro-)batch, inside the caller's tape."""
@@ -136,8 +153,19 @@ class Step:
         loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
         ctx = StepContext(model, x, y, sample_weight, y_pred, extras, num_micro)
         for feature in self.features:
+            ctx.state_carriers, ctx.state = self.states.in_step(feature, ctx)
             loss = feature.transform_loss(loss, ctx)
         return y_pred, loss
+
+    def _after_update(self, ctx) -> None:
+        """The features' `after_update` hooks, each with its state as `ctx.state`; the
+        state a hook returns is written into its carriers."""
+        for feature in self.features:
+            carriers, ctx.state = self.states.in_step(feature, ctx)
+            ctx.state_carriers, ctx.written = carriers, []
+            new = feature.after_update(ctx)
+            if new is not None:
+                self.states.write(feature, carriers, ctx, new)
 
     def _track(self, x, y, y_pred, sample_weight, loss):
         """Updates the loss tracker and compiled metrics exactly as Keras' train_step."""
@@ -175,9 +203,7 @@ class Step:
             model.optimizer.apply_gradients(zip(grads, trainable))
         else:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-        ctx = StepContext(model, x, y, sample_weight, None, extras, num_micro)
-        for feature in self.features:
-            feature.after_update(ctx)
+        self._after_update(StepContext(model, x, y, sample_weight, None, extras, num_micro))
         return logs
 
     def _micro_batch_count(self, batch):
@@ -285,9 +311,7 @@ class Step:
             model.optimizer.apply_gradients(zip(total, trainable))
         for acc in accumulators:
             acc.assign(tf.zeros_like(acc))
-        ctx = StepContext(model, x, y, sample_weight, None, extras, k)
-        for feature in self.features:
-            feature.after_update(ctx)
+        self._after_update(StepContext(model, x, y, sample_weight, None, extras, k))
         return logs
 
     def _make_accumulators(self, strategy):
