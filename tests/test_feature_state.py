@@ -33,6 +33,8 @@ class CountUpdates(EngineCallback):
         (count,) = ctx.state
         if self.every is None:
             return (count + 1,)
+        if self.every == 0:  # a plain Python number as the new state
+            return (0,)
         turn = ops.equal(ops.mod(ctx.update_count(), self.every), 0)
         return ctx.state_where(turn, lambda: (count + 1,))
 
@@ -91,6 +93,15 @@ def test_a_conditional_update_changes_the_state_only_where_it_holds():
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False,
               callbacks=[counter])
     assert _count(model, counter) == 2 * STEPS // 3
+
+
+def test_a_python_number_is_a_state_of_the_held_dtype():
+    x, y = _data()
+    model, counter = _model(), CountUpdates(every=0)
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[counter])
+    state = Engine.of(model).feature_state(counter)[0]
+    assert _count(model, counter) == 0
+    assert keras.backend.standardize_dtype(state.dtype) == "int32"
 
 
 def test_a_state_of_another_structure_or_shape_is_refused():

@@ -297,7 +297,8 @@ class Step:
                         "init_state returned None: a feature's state is made by "
                         "init_state.")
                 carried[feature.name] = keras.tree.map_structure(
-                    lambda value, old: value.astype(old.dtype), new, carried[feature.name])
+                    lambda value, old: jax.numpy.asarray(value, old.dtype), new,
+                    carried[feature.name])
             for variables, current in groups:
                 for i, variable in enumerate(variables):
                     value = scope.get_current_value(variable)
