@@ -79,25 +79,6 @@ def test_state_synced_and_set_state_synced():
     jax_compat.set_state_synced(model, flag)
 
 
-def test_state_sync_name_is_the_method_fit_and_callbacks_call():
-    """`state_sync_name`: Keras 3.16's `fit` and `Callback.model` call `state_sync`
-    (not the `jax_state_sync` alias), older ones `jax_state_sync`."""
-    model = _compiled()
-    name = jax_compat.state_sync_name(model)
-    assert name in ("state_sync", "jax_state_sync")
-    calls = []
-
-    class Reader(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            self.model  # noqa: B018 - reading it syncs the model's state
-
-    original = getattr(type(model), name)
-    object.__setattr__(model, name, lambda: calls.append(1) or original(model))
-    x, y = toy_data(16, classes=8)
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Reader()])
-    assert len(calls) >= 2  # one per callback read, and fit's own at the epoch's end
-
-
 def test_jax_state():
     model = _compiled()
     state = jax_compat.jax_state(model)
@@ -128,33 +109,6 @@ def test_tensor_layouts_for_manual_axes():
     assert "get_tensor_layout" not in distribution.__dict__
     assert tuple(distribution.get_tensor_layout("sequential/dense_in/output").axes) == (
         "batch", "model")
-
-
-def test_set_variable_value_keeps_the_sharding():
-    distribution = make_distribution("mp2x4")
-    with distribution.scope():
-        variable = keras.Variable(np.zeros((16, 8), "float32"), trainable=False, name="m")
-    kernel_like = jax.device_put(
-        np.arange(128, dtype="float32").reshape(16, 8),
-        jax.sharding.NamedSharding(jax_compat.backend_mesh(distribution.device_mesh),
-                                   PartitionSpec(None, "model")))
-    jax_compat.set_variable_value(variable, kernel_like)
-    assert variable.value.sharding == kernel_like.sharding
-    np.testing.assert_array_equal(np.asarray(variable.value), np.asarray(kernel_like))
-    with pytest.raises(ValueError, match="shape"):
-        jax_compat.set_variable_value(variable, np.zeros((2, 2), "float32"))
-
-
-def test_variable_value_object_changes_with_every_assignment():
-    variable = keras.Variable(np.zeros((2, 3), "float32"), trainable=False, name="t")
-    seen = jax_compat.variable_value_object(variable)
-    assert seen is jax_compat.variable_value_object(variable)
-    np.testing.assert_array_equal(np.asarray(seen), np.zeros((2, 3)))
-    variable.assign(np.ones((2, 3), "float32"))
-    assert jax_compat.variable_value_object(variable) is not seen
-    seen = jax_compat.variable_value_object(variable)
-    jax_compat.set_variable_value(variable, jnp.full((2, 3), 2.0))
-    assert jax_compat.variable_value_object(variable) is not seen
 
 
 def test_memory_analysis_reads_the_compiled_step_and_refuses_none():

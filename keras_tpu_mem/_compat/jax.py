@@ -273,33 +273,3 @@ def backends_initialized() -> bool:
     if initialized is not None:
         return bool(initialized())
     return bool(getattr(xla_bridge, "_backends", {}))
-
-
-# ------------------------------------------------------- feature variables
-def variable_value_object(variable):
-    """The array object a Keras variable holds now, read without autocasting
-    (3.12-3.15: `KerasVariable._value`). Every assignment (`assign`,
-    `set_variable_value`) stores a new object, so comparing it by identity with
-    the one seen before tells whether the variable was written since: the engine
-    keeps the features' carried values between jitted calls and takes a value
-    from the variable only when something wrote it."""
-    return variable._value
-
-
-def state_sync_name(model) -> str:
-    """The model method Keras' JAX `fit` and `Callback.model` call to write its
-    carried state back into the variables: `state_sync` from Keras 3.16
-    (`jax_state_sync` stays as an alias that calls it), `jax_state_sync` before."""
-    return "state_sync" if hasattr(type(model), "state_sync") else "jax_state_sync"
-
-
-def set_variable_value(variable, value) -> None:
-    """Sets a Keras variable's value to the array `value` as it is, keeping its
-    sharding (3.12-3.15: `KerasVariable._value`; `assign` would lay the value
-    out again by the variable's own `_layout`, which for a variable outside the
-    model, such as a pruning mask, is the distribution's default, replicated).
-    The engine writes back the feature values a jitted step returns with it."""
-    if tuple(value.shape) != tuple(variable.shape):
-        raise ValueError(f"`value` has shape {tuple(value.shape)}, but the variable "
-                         f"{variable.path!r} has shape {tuple(variable.shape)}.")
-    variable._value = value
