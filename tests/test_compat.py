@@ -115,12 +115,18 @@ def test_fit_data_is_none_outside_a_fit():
 
 
 def test_epoch_start_batches_by_hand_and_no_position_outside_a_fit():
-    """`keras_compat.epoch_start_batches` on cases counted by hand (against Keras' own
-    `EpochIterator` on both backends: tests/test_resume.py), and
-    `keras_compat.position_fit_data` refusing where no fit runs."""
+    """`keras_compat.epoch_starts` and `keras_compat.epoch_start_batches` on cases
+    counted by hand (against Keras' own `EpochIterator` on both backends:
+    tests/test_resume.py), and `keras_compat.position_fit_data` refusing where no fit
+    runs."""
     # 8 batches, 3 per epoch: epochs begin at 0, 3, 6; epoch 2 ends early at the
     # data's end (batches 6 and 7), so epoch 3 begins a new pass.
     assert [keras_compat.epoch_start_batches(e, 3, 8, 1) for e in range(5)] == [0, 3, 6, 0, 3]
+    starts = keras_compat.epoch_starts(3, 8, 1)
+    assert [next(starts) for _ in range(5)] == [0, 3, 6, 0, 3]
+    # 16 batches, 5 steps in calls of 4 read 8 an epoch: the third epoch opens a pass.
+    starts = keras_compat.epoch_starts(5, 16, 4)
+    assert [next(starts) for _ in range(4)] == [0, 8, 0, 8]
     # Calls of 2 batches: 2 calls (4 batches) an epoch, endless data.
     assert keras_compat.epoch_start_batches(3, 3, None, 2) == 12
     assert keras_compat.epoch_start_batches(3, None, 8, 1) == 0  # a new pass each epoch

@@ -349,6 +349,53 @@ def test_keeps_the_newest_checkpoints_and_saves_at_update_boundaries(tmp_path):
     assert found == [(11, 1, 3), (14, 1, 6), (16, 2, 0)]
 
 
+def test_a_features_state_is_read_and_written_whole_once_per_save_and_restore(
+        tmp_path, monkeypatch):
+    """A feature's state is saved as one group and read through one engine call per
+    save, restored through one (a call per leaf would copy the whole state once per
+    leaf: Pruning's masks of every pruned layer); the masks come back equal."""
+    from keras_tpu_mem.engine import Engine
+
+    calls = {"feature_state": 0, "set_feature_state": 0}
+    for name in calls:
+        original = getattr(Engine, name)
+
+        def counted(self, *args, _name=name, _original=original):
+            if sys._getframe(1).f_code.co_filename.endswith(os.path.join("resume",
+                                                                         "callback.py")):
+                calls[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(Engine, name, counted)
+
+    def model_and_pruning():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(8) for _ in range(4)])
+        model.compile(optimizer="adam", loss="mse")
+        return model, ktm.Pruning(ktm.ConstantSparsity(0.5, begin_step=0, frequency=2))
+
+    x, y = _xy()
+    y = np.tile(y, (1, 3))[:, :8]
+    model, pruning = model_and_pruning()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[
+        pruning, ktm.ResumableCheckpoint(str(tmp_path), every=2, asynchronous=False)])
+    saved = [m.copy() for m in pruning.masks]
+    assert len(saved) == 4 and not all(m.all() for m in saved)
+    # 4 saves (updates 2, 4, 6 and the epoch end), a read each, and up to 3 at the
+    # fit's start (the state's structure, the readable check, the saved groups); a
+    # read per leaf would be 4 a save.
+    assert 4 <= calls["feature_state"] <= 4 + 3 and calls["set_feature_state"] == 0, calls
+    calls.update(feature_state=0)
+    model, pruning = model_and_pruning()
+    checkpoint = ktm.ResumableCheckpoint(str(tmp_path), every=100, asynchronous=False)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[pruning, checkpoint])
+    assert checkpoint.resumed_from.epoch == 1
+    assert calls["set_feature_state"] == 1
+    for got, want in zip(pruning.masks, saved):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_different_global_batch_is_refused_and_the_model_left_as_it_was(tmp_path):
     x, y = _xy()
     _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
@@ -514,33 +561,55 @@ def test_data_a_restart_cannot_read_again_in_order_is_refused_before_anything_ch
 @pytest.mark.parametrize("shuffle, fit_kwargs, match", [
     ({}, {"epochs": 1}, "shuffles without a seed"),
     ({"seed": 1}, {"epochs": 2}, "reshuffle_each_iteration=True"),
-    # 8 batches a pass, 2 x 6 steps: a second pass, a second iterator.
-    ({"seed": 1}, {"epochs": 2, "steps_per_epoch": 6}, "reshuffle_each_iteration=True"),
+    # 8 batches a pass, 3 x 6 steps: the second epoch ends with the pass, the third
+    # opens a second one (a second iterator).
+    ({"seed": 1}, {"epochs": 3, "steps_per_epoch": 6}, "reshuffle_each_iteration=True"),
+    # 16 batches of 4; 5 steps an epoch in calls of 4 read 8: the third epoch opens
+    # a second pass, though 3 x 5 steps are fewer than the 16 batches.
+    ({"seed": 1}, {"epochs": 3, "steps_per_epoch": 5, "batch": 4, "steps_per_execution": 4},
+     "reshuffle_each_iteration=True"),
+    # 8 batches, 3 x 3 steps (and 2 x 6): the last epoch ends early with the pass
+    # (Keras stops it at the data's end) and no epoch opens a second one: accepted.
+    ({"seed": 1}, {"epochs": 3, "steps_per_epoch": 3}, None),
+    ({"seed": 1}, {"epochs": 2, "steps_per_epoch": 6}, None),
 ])
 def test_a_tf_data_shuffle_a_restart_would_draw_anew_is_refused(
         tmp_path, shuffle, fit_kwargs, match):
     """A tf.data.Dataset's shuffle without a seed, and a seeded one that reshuffles for
-    each of several passes, are refused at on_train_begin, before anything is written;
-    the same seeded shuffle over one pass (`epochs=1`) or with
-    `reshuffle_each_iteration=False` is accepted (and the endless, reshuffled stream
-    resumes bit for bit: `test_steps_per_epoch_shorter_than_the_data_...`)."""
+    each of several passes (Keras' rule for when an epoch opens a pass), are refused at
+    on_train_begin, before anything is written; the same seeded shuffle over one pass
+    or with `reshuffle_each_iteration=False` is accepted (and the endless, reshuffled
+    stream resumes bit for bit: `test_steps_per_epoch_shorter_than_the_data_...`)."""
     import tensorflow as tf
 
+    fit_kwargs = dict(fit_kwargs)
+    batch = fit_kwargs.pop("batch", 8)
+    steps_per_execution = fit_kwargs.pop("steps_per_execution", 1)
     x, y = _xy()
     tf.random.set_seed(None)  # the test's seed would seed every shuffle (as it should)
 
     def data(**options):
         return (tf.data.Dataset.from_tensor_slices((x, y))
-                .shuffle(64, **dict(shuffle, **options)).batch(8))
+                .shuffle(64, **dict(shuffle, **options)).batch(batch))
 
-    refused = data()  # before the model: `_small_model` sets the global seed
+    def model():
+        built = _small_model()
+        built.compile(optimizer="adam", loss="mse", steps_per_execution=steps_per_execution)
+        return built
+
+    given = data()  # before the model: `_small_model` sets the global seed
+    if match is None:
+        model().fit(given, verbose=0, **fit_kwargs,
+                    callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+        assert ktm.list_checkpoints(str(tmp_path))
+        return
     with pytest.raises(ValueError, match=match):
-        _small_model().fit(refused, verbose=0, **fit_kwargs,
-                           callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
+        model().fit(given, verbose=0, **fit_kwargs,
+                    callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3)])
     assert os.listdir(tmp_path) == []
-    if shuffle:
+    if shuffle and steps_per_execution == 1:
         for options, epochs in (({}, 1), ({"reshuffle_each_iteration": False}, 2)):
-            _small_model().fit(data(**options), epochs=epochs, verbose=0, callbacks=[
+            model().fit(data(**options), epochs=epochs, verbose=0, callbacks=[
                 ktm.ResumableCheckpoint(str(tmp_path / str(epochs)), every=3)])
 
 

@@ -3,6 +3,7 @@ keras-nightly 3.16.0.dev2026102704; `tests/test_compat.py` names each one."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import NamedTuple
 
@@ -150,17 +151,20 @@ class _FitData(NamedTuple):
     source: object  # the PyDataset / tf.data.Dataset fit reads, or None for others
     steps_per_epoch: int | None  # fit's `steps_per_epoch` (None: a pass per epoch)
     num_batches: int | None  # the data's batches per pass, where Keras knows them
+    steps_per_execution: int  # the batches one call of the train function reads
 
 
 def fit_data(model) -> _FitData | None:
-    """`(kind, shuffled, source)` of the data of the `fit` running on `model`,
-    from a callback of that fit; None where it cannot be read.
+    """What the `fit` running on `model` reads (`_FitData`: kind, shuffled, source,
+    steps per epoch, batches per pass, steps per execution), from a callback of
+    that fit; None where it cannot be read.
 
     Keras keeps a fit's data adapter nowhere but in the call (3.12-3.16: the local
     `epoch_iterator` of `Trainer.fit` on every backend, an `EpochIterator` whose
     `data_adapter` is `ArrayDataAdapter` with `_shuffle`, `PyDatasetAdapter` with
     `shuffle` and `py_dataset`, `TFDatasetAdapter` with `_dataset`, ...; its
-    `steps_per_epoch` and `_num_batches`), so it is read from that call's frame.
+    `steps_per_epoch`, `_num_batches` and `steps_per_execution`), so it is read
+    from that call's frame.
     `shuffled` is True for `fit(shuffle=True)` with arrays or a PyDataset of known
     length."""
     epoch_iterator = _fit_epoch_iterator(model)
@@ -177,7 +181,8 @@ def fit_data(model) -> _FitData | None:
     elif name == "TFDatasetAdapter":
         source = getattr(adapter, "_dataset", None)
     return _FitData(_DATA_KINDS.get(name, name), shuffled, source,
-                    epoch_iterator.steps_per_epoch, getattr(epoch_iterator, "_num_batches", None))
+                    epoch_iterator.steps_per_epoch, getattr(epoch_iterator, "_num_batches", None),
+                    int(epoch_iterator.steps_per_execution))
 
 
 def _fit_epoch_iterator(model):
@@ -192,10 +197,11 @@ def _fit_epoch_iterator(model):
     return None
 
 
-def epoch_start_batches(epoch: int, steps_per_epoch: int | None, num_batches: int | None,
-                        steps_per_execution: int) -> int:
-    """How many batches of its current pass over the data an uninterrupted `fit` has
-    read when epoch `epoch` (0-based) begins.
+def epoch_starts(steps_per_epoch: int | None, num_batches: int | None,
+                 steps_per_execution: int):
+    """Yields, for epochs 0, 1, 2, ... of an uninterrupted `fit`, how many batches
+    of its current pass over the data it has read when the epoch begins; 0 where
+    the epoch begins a new pass (a new iterator over the data).
 
     Keras' `EpochIterator._enumerate_iterator` (3.12-3.16) makes a new iterator at
     every epoch unless `steps_per_epoch` is given; then one iterator runs on across
@@ -203,11 +209,12 @@ def epoch_start_batches(epoch: int, steps_per_epoch: int | None, num_batches: in
     epoch early once `num_batches` (the data's batches, when known) are read and
     starting the next pass at the following epoch. This replays that rule, counting
     in calls of `steps_per_execution` batches as Keras does."""
-    if not steps_per_epoch:
-        return 0
-    calls = len(range(0, steps_per_epoch, steps_per_execution))
+    calls = len(range(0, steps_per_epoch or 0, steps_per_execution))
     seen = 0
-    for _ in range(epoch):
+    while True:
+        yield seen
+        if not steps_per_epoch:
+            continue  # a pass per epoch: every epoch starts at 0
         if num_batches:
             left = -(-(num_batches - seen) // steps_per_execution)  # calls before the end
             seen += min(calls, max(left, 0)) * steps_per_execution
@@ -215,7 +222,14 @@ def epoch_start_batches(epoch: int, steps_per_epoch: int | None, num_batches: in
                 seen = 0
         else:
             seen += calls * steps_per_execution
-    return seen
+
+
+def epoch_start_batches(epoch: int, steps_per_epoch: int | None, num_batches: int | None,
+                        steps_per_execution: int) -> int:
+    """How many batches of its current pass over the data an uninterrupted `fit` has
+    read when epoch `epoch` (0-based) begins (`epoch_starts`' rule)."""
+    starts = epoch_starts(steps_per_epoch, num_batches, steps_per_execution)
+    return next(itertools.islice(starts, epoch, None))
 
 
 def position_fit_data(model, epoch: int) -> int:

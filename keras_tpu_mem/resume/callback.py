@@ -15,6 +15,7 @@ stopped.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -80,9 +81,9 @@ def _check_tf_data_order(dataset, found, epochs: int) -> None:
             "dataset is built.")
     if not any(reshuffles for _, reshuffles in shuffles):
         return
-    steps, batches = found.steps_per_epoch, found.num_batches
-    one_iterator = epochs <= 1 or (steps and (not batches or epochs * steps <= batches))
-    if not one_iterator:
+    starts = keras_compat.epoch_starts(found.steps_per_epoch, found.num_batches,
+                                       found.steps_per_execution)
+    if 0 in itertools.islice(starts, 1, epochs):  # an epoch after the first opens a pass
         raise ValueError(
             "ResumableCheckpoint: the tf.data.Dataset's seeded shuffle reshuffles at each "
             "pass (`reshuffle_each_iteration=True`, the default), and this fit makes a new "
@@ -104,32 +105,54 @@ def _build_optimizer(model) -> None:
         optimizer.build(model.trainable_variables)
 
 
-class _StateLeaf:
-    """One value of a feature's state (`Feature.init_state`), which the engine holds,
-    read and written as the checkpoint reads and writes a variable (`path`, `shape`,
-    `dtype`, `value`, `assign`)."""
+class _FeatureState:
+    """A feature's state (`Feature.init_state`), which the engine holds, saved as a
+    group of its leaves and read and written whole: one engine call per feature (a
+    read per leaf would copy the whole state once per leaf)."""
 
-    def __init__(self, engine, feature, template, index: int):
-        self.engine, self.feature, self.index = engine, feature, index
-        self._template = template
-        leaf = keras.tree.flatten(template)[index]
-        self.path = f"{feature.name}/state/{index}"
-        self.shape = tuple(int(d) for d in leaf.shape)
-        self.dtype = keras.backend.standardize_dtype(leaf.dtype)
+    def __init__(self, engine, feature, template):
+        self.engine, self.feature, self.template = engine, feature, template
+        #: What the checkpoint checks and names, as of a variable (no value).
+        self.leaves = [_StateLeaf(self, f"{feature.name}/state/{index}", leaf)
+                       for index, leaf in enumerate(keras.tree.flatten(template))]
 
-    def _current(self):
+    def snapshot(self) -> list[_StateLeaf]:
+        """The leaves with the state's values now, from one read."""
         state = self.engine.feature_state(self.feature)
-        return self._template if state is None else state
+        values = keras.tree.flatten(self.template if state is None else state)
+        return [_StateLeaf(self, leaf.path, leaf, value)
+                for leaf, value in zip(self.leaves, values)]
 
-    @property
-    def value(self):
-        return keras.tree.flatten(self._current())[self.index]
-
-    def assign(self, value) -> None:
-        leaves = list(keras.tree.flatten(self._current()))
-        leaves[self.index] = value
+    def assign(self, values) -> None:
         self.engine.set_feature_state(
-            self.feature, keras.tree.pack_sequence_as(self._template, leaves))
+            self.feature, keras.tree.pack_sequence_as(self.template, list(values)))
+
+
+class _StateLeaf:
+    """One value of a feature's state, described as the checkpoint describes a
+    variable (`path`, `shape`, `dtype`; `value` in a `_FeatureState.snapshot`)."""
+
+    def __init__(self, owner: _FeatureState, path: str, like, value=None):
+        self.owner, self.path, self.value = owner, path, value
+        self.shape = tuple(int(d) for d in like.shape)
+        self.dtype = keras.backend.standardize_dtype(like.dtype)
+
+
+def _readable(group: list) -> list:
+    """What `state_values` reads a saved group through: the variables, or a feature's
+    state as one snapshot of its leaves."""
+    if group and isinstance(group[0], _StateLeaf):
+        return group[0].owner.snapshot()
+    return group
+
+
+def _assign(group: list, values) -> None:
+    """Writes `values` into a saved group: each variable, or a feature's whole state."""
+    if group and isinstance(group[0], _StateLeaf):
+        group[0].owner.assign(values)
+        return
+    for variable, value in zip(group, values):
+        variable.assign(value)
 
 
 class ResumableCheckpoint(keras.callbacks.Callback):
@@ -224,7 +247,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._write_error: BaseException | None = None
         # This fit's position and restore, set again at each on_train_begin.
         self._resume_at = self._metrics_values = self._saved_global_batch = None
-        self._undo = self._last_begin = self._epoch_order = None
+        self._undo = self._last_begin = self._epoch_order = self._saved_groups = None
         self._epoch, self._skipping, self._position_pending = 0, False, False
 
     def get_config(self) -> dict:
@@ -245,9 +268,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             if template is None:  # TensorFlow: its carriers are made in the first step
                 template = feature.init_state(StepContext.outside(model))
             if template is not None:
-                owners.append((f"feature:{feature.name}", [
-                    _StateLeaf(engine, feature, template, index)
-                    for index in range(len(keras.tree.flatten(template)))]))
+                owners.append((f"feature:{feature.name}",
+                               _FeatureState(engine, feature, template).leaves))
         groups, seen = {}, set()
         for name, variables in owners:  # a variable two owners list is saved once, first
             groups[name] = [v for v in unique(variables) if id(v) not in seen]
@@ -258,10 +280,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         """`optimizer.iterations`, read as the state is (also in a multi-process job)."""
         return int(self._engine.backend_step.state_values([model.optimizer.iterations])[0])
 
-    def _values(self, variables) -> list:
+    def _values(self, group) -> list:
         # Not through `self.model`: on JAX each read of that property syncs Keras' state.
-        values = self._engine.backend_step.state_values(variables)
-        return [(v.path, value) for v, value in zip(variables, values)]
+        group = _readable(group)
+        values = self._engine.backend_step.state_values(group)
+        return [(v.path, value) for v, value in zip(group, values)]
 
     # ------------------------------------------------------------ restore
     def on_train_begin(self, logs=None):
@@ -273,8 +296,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._engine = Engine.attach(model)
         # Refused here, before anything is restored, not at the first save.
         self._engine.backend_step.check_state_readable(
-            [v for variables in self._groups(model).values() for v in variables])
-        self._resume_at = self._metrics_values = self._undo = None
+            [v for group in self._groups(model).values() for v in _readable(group)])
+        self._resume_at = self._metrics_values = self._undo = self._saved_groups = None
         self._position_pending = False
         self.resumed_from = None
         found = store.latest_complete(self.directory)
@@ -315,14 +338,12 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         for name, pairs in saved.items():
             if name == _METRICS:
                 continue  # at the resumed epoch's start, after Keras resets them
-            for variable, (_, value) in zip(groups[name], pairs):
-                variable.assign(value)
+            _assign(groups[name], [value for _, value in pairs])
         keras_compat.set_initial_epoch(model, info.epoch if info.epoch else None)
 
         def undo():
             for name, pairs in before.items():
-                for variable, (_, value) in zip(groups[name], pairs):
-                    variable.assign(value)
+                _assign(groups[name], [value for _, value in pairs])
             keras_compat.set_initial_epoch(model, None)
 
         self._undo = undo
@@ -387,8 +408,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         variables = self._groups(self.model)[_METRICS]
         if len(variables) == len(pairs):
             self._check_group(info, _METRICS, variables, pairs)
-            for variable, (_, value) in zip(variables, pairs):
-                variable.assign(value)
+            _assign(variables, [value for _, value in pairs])
         else:
             # Keras builds the compiled metrics in the first step where no strategy is
             # set (TensorFlow's default strategy): nothing to give the saved sums to.
@@ -459,8 +479,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._batches = 0
         if not self._engine.backend_step.writes_checkpoints():
             return  # another process of the job writes the same (replicated) state
-        groups = {name: self._values(variables)
-                  for name, variables in self._groups(model).items()}
+        if self._saved_groups is None:
+            # Made once a step has run: Keras and the TensorFlow engine make the
+            # optimizer's, the metrics' and the features' variables in the first one.
+            self._saved_groups = self._groups(model)
+        groups = {name: self._values(group) for name, group in self._saved_groups.items()}
         meta = {"epoch": epoch, "batch": batch, "steps_per_epoch": self._steps,
                 "global_batch_size": self._global_batch,
                 "batches_per_update": self._engine.batches_per_update(),
