@@ -107,7 +107,7 @@ def test_a_half_written_or_corrupt_checkpoint_is_skipped_with_a_warning(tmp_path
                            {"epoch": 1, "batch": 0})
     # update 15: killed mid-save (the hidden partial folder); update 10: its arrays cut short.
     os.makedirs(tmp_path / ".partial-update-000000015")
-    with open(tmp_path / "update-000000010" / "state.npz", "r+b") as handle:
+    with open(tmp_path / "update-000000010" / "state.bin", "r+b") as handle:
         handle.truncate(100)
     with caplog.at_level(logging.WARNING, logger="keras_tpu_mem"):
         info, groups = store.latest_complete(directory)
@@ -130,11 +130,40 @@ def test_arrays_come_back_with_their_dtype_and_shape(tmp_path):
         np.testing.assert_array_equal(got, want)
     record = json.load(open(os.path.join(path, "checkpoint.json")))
     assert record["update"] == 3
-    # Hashed while written (no seeking back): the file's own digest and size.
-    with open(os.path.join(path, "state.npz"), "rb") as handle:
+    # Hashed while written (nothing read back): the file's own digest and size; each
+    # array's bytes at its 64-byte aligned offset.
+    with open(os.path.join(path, "state.bin"), "rb") as handle:
         written = handle.read()
     assert record["sha256"] == hashlib.sha256(written).hexdigest()
     assert record["size_bytes"] == len(written)
+    for entry, (_, want) in zip(record["arrays"]["g"], values):
+        assert entry["offset"] % 64 == 0
+        raw = np.ascontiguousarray(want).tobytes()
+        assert written[entry["offset"]:entry["offset"] + len(raw)] == raw
+
+
+def test_a_checkpoint_of_the_first_format_still_reads_back(tmp_path):
+    """Checkpoints written before `state.bin` (format 1: `state.npz`, each array's
+    bytes under `group/index`) read back as they were saved."""
+    import io
+
+    want = [("w", np.arange(6, dtype="float32").reshape(2, 3)), ("step", np.array(7, "int64"))]
+    buffer = io.BytesIO()
+    np.savez(buffer, **{f"g/{i}": v.reshape(-1).view(np.uint8) for i, (_, v) in enumerate(want)})
+    folder = tmp_path / "update-000000007"
+    folder.mkdir()
+    (folder / "state.npz").write_bytes(buffer.getvalue())
+    record = {"format": 1, "epoch": 0, "batch": 7, "update": 7, "saved_at": 0.0,
+              "size_bytes": len(buffer.getvalue()),
+              "sha256": hashlib.sha256(buffer.getvalue()).hexdigest(),
+              "arrays": {"g": [{"path": p, "shape": list(v.shape), "dtype": v.dtype.name}
+                               for p, v in want]}}
+    (folder / "checkpoint.json").write_text(json.dumps(record))
+    info, groups = store.latest_complete(str(tmp_path))
+    assert info.update == 7
+    for (name, value), (got_name, got) in zip(want, groups["g"]):
+        assert got_name == name and got.dtype == value.dtype and got.shape == value.shape
+        np.testing.assert_array_equal(got, value)
 
 
 @pytest.fixture
@@ -173,7 +202,7 @@ def test_a_remote_directory_writes_the_json_last_and_reads_back_checked(
     cut = store.write_checkpoint(directory, 15, {"model": first}, {"epoch": 1, "batch": 5})
     store._files().rmtree(cut)
     store._files().makedirs(cut)
-    store._copy(os.path.join(path, "state.npz"), os.path.join(cut, "state.npz"))
+    store._copy(os.path.join(path, "state.bin"), os.path.join(cut, "state.bin"))
     with caplog.at_level(logging.WARNING, logger="keras_tpu_mem"):
         info, groups = store.latest_complete(directory)
     assert info.update == 10 and (info.epoch, info.batch) == (1, 0)
@@ -198,8 +227,8 @@ def test_a_remote_scan_asks_once_per_complete_checkpoint(remote_directory, monke
     cut = os.path.join(directory, "update-000000020")  # its checkpoint.json never written
     store._files().rmtree(cut)
     store._files().makedirs(cut)
-    store._copy(os.path.join(directory, "update-000000015", "state.npz"),
-                os.path.join(cut, "state.npz"))
+    store._copy(os.path.join(directory, "update-000000015", "state.bin"),
+                os.path.join(cut, "state.bin"))
     files, calls = store._files(), []
 
     class Counted:
