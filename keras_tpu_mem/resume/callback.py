@@ -14,10 +14,10 @@ stopped.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import os
-import threading
 import time
 
 import keras
@@ -243,7 +243,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self.asynchronous = asynchronous
         #: The checkpoint the last `fit` resumed from (a `CheckpointInfo`), or None.
         self.resumed_from = None
-        self._writer: threading.Thread | None = None
+        # One writer thread for the fit (a thread made per save cost a 0.5 ms step
+        # about 0.3 ms a save), and the write it runs.
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writer: concurrent.futures.Future | None = None
         self._write_error: BaseException | None = None
         # This fit's position and restore, set again at each on_train_begin.
         self._resume_at = self._metrics_values = self._saved_global_batch = None
@@ -470,6 +473,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if self.resumed_from is not None:
             keras_compat.set_initial_epoch(self.model, None)
         self._wait()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
         self._raise_write_error()
 
     def _save(self, epoch: int, batch: int) -> None:
@@ -491,9 +497,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._wait()
         self._raise_write_error()
         if self.asynchronous:
-            self._writer = threading.Thread(target=self._write, args=(update, groups, meta),
-                                            name="ResumableCheckpoint", daemon=True)
-            self._writer.start()
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="ResumableCheckpoint")
+            self._writer = self._executor.submit(self._write, update, groups, meta)
         else:
             self._write(update, groups, meta)
             self._raise_write_error()
@@ -510,7 +517,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     def _wait(self):
         if self._writer is not None:
-            self._writer.join()
+            self._writer.result()  # `_write` keeps its error for `_raise_write_error`
             self._writer = None
 
     def _raise_write_error(self):
