@@ -425,6 +425,31 @@ def test_a_features_state_is_read_and_written_whole_once_per_save_and_restore(
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_failed_write_is_raised_on_the_training_thread(tmp_path, monkeypatch, asynchronous):
+    """A write that fails (a full disk) is not lost on the writer thread: the fit stops
+    with a `RuntimeError` naming the directory and the cause (Keras' traceback filter
+    drops the chain), at the save after it (asynchronous) or at it; the checkpoints
+    written before it stay complete."""
+    calls = []
+    write = store.write_checkpoint
+
+    def failing(directory, update, groups, meta):
+        calls.append(update)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return write(directory, update, groups, meta)
+
+    monkeypatch.setattr(store, "write_checkpoint", failing)
+    x, y = _xy()
+    with pytest.raises(RuntimeError, match="could not write to .*No space left on device"):
+        _small_model().fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
+            ktm.ResumableCheckpoint(str(tmp_path), every=2, asynchronous=asynchronous)])
+    # Synchronous: raised at the second save; asynchronous: at the third, which waits.
+    assert calls == [2, 4]
+    assert [info.update for info in ktm.list_checkpoints(str(tmp_path))] == [2]
+
+
 def test_a_different_global_batch_is_refused_and_the_model_left_as_it_was(tmp_path):
     x, y = _xy()
     _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
