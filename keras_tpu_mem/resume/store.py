@@ -21,7 +21,8 @@ backend's file API (`tf.io.gfile` on TensorFlow; fsspec on JAX, `gcsfs` for
 into the checkpoint's own folder first and `checkpoint.json` last, so a folder
 without `checkpoint.json` is a save cut short and is skipped. `state.bin` is
 written and hashed in a local temporary file and copied up (local disk, not a
-second copy in host memory), and read back the same way.
+second copy in host memory), and read back in chunks into the memory the restored
+arrays use.
 """
 
 from __future__ import annotations
@@ -150,13 +151,20 @@ def _save_state(path: str, arrays: list) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
+def _open(path: str, mode: str):
+    """A local file, or a remote one through the backend's file API."""
+    return _files().GFile(path, mode) if is_remote(path) else open(path, mode)
+
+
+def _chunks(handle):
+    """The rest of an open file, in 1 MiB chunks."""
+    return iter(lambda: handle.read(1 << 20), b"")
+
+
 def _copy(src: str, dst: str) -> None:
     """Copies one file in 1 MiB chunks, either side local or remote."""
-    def opened(path, mode):
-        return _files().GFile(path, mode) if is_remote(path) else open(path, mode)
-
-    with opened(src, "rb") as source, opened(dst, "wb") as target:
-        for chunk in iter(lambda: source.read(1 << 20), b""):
+    with _open(src, "rb") as source, _open(dst, "wb") as target:
+        for chunk in _chunks(source):
             target.write(chunk)
 
 
@@ -240,12 +248,8 @@ def read_info(path: str) -> CheckpointInfo:
     """
     meta_path = os.path.join(path, _META)
     try:
-        if is_remote(path):
-            with _files().GFile(meta_path, "r") as handle:
-                meta = json.loads(handle.read())
-        else:
-            with open(meta_path) as handle:
-                meta = json.load(handle)
+        with _open(meta_path, "r") as handle:
+            meta = json.loads(handle.read())
         return CheckpointInfo(path=path, epoch=int(meta["epoch"]), batch=int(meta["batch"]),
                               update=int(meta["update"]), saved_at=float(meta["saved_at"]),
                               size_bytes=int(meta["size_bytes"]), meta=meta)
@@ -263,21 +267,14 @@ def read_arrays(info: CheckpointInfo) -> dict[str, list]:
     state = os.path.join(info.path, name)
     if not _exists(state):
         raise CorruptCheckpoint(f"{info.path}: {name} is missing")
-    if not is_remote(state):
-        return _read_state(info, state)
-    with tempfile.TemporaryDirectory(prefix="ktm-checkpoint-") as scratch:
-        local = os.path.join(scratch, name)
-        _copy(state, local)
-        return _read_state(info, local)
-
-
-def _read_state(info: CheckpointInfo, state: str) -> dict[str, list]:
-    with open(state, "rb") as handle:
-        data = bytearray(os.fstat(handle.fileno()).st_size)
-        handle.readinto(data)
+    # Read once into host memory, where the arrays will live (remote too: no copy on
+    # the local disk first).
+    data = bytearray()
+    with _open(state, "rb") as handle:
+        for chunk in _chunks(handle):
+            data += chunk
     if hashlib.sha256(data).hexdigest() != info.meta.get("sha256"):
-        raise CorruptCheckpoint(f"{info.path}: {os.path.basename(state)} does not match "
-                                f"its SHA-256 in {_META}")
+        raise CorruptCheckpoint(f"{info.path}: {name} does not match its SHA-256 in {_META}")
     if info.meta.get("format") == 1:  # an earlier build's .npz
         with np.load(io.BytesIO(data)) as stored:
             def stored_bytes(group, index, entry):
