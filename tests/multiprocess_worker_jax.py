@@ -10,7 +10,9 @@ gloo CPU collectives between processes) with the callbacks FEATURES names —
 from a live teacher that is sharded by the same distribution; `sharded`: no
 callback, under `ShardedDataParallel()` (weights and Adam slots split over
 every device of the cluster) instead of `DataParallel`; `resume`: the run of
-`resume_cases.py` (every feature, `ResumableCheckpoint`, killed where told) — and
+`resume_cases.py` (every feature, `ResumableCheckpoint`, killed where told) under
+`DataParallel`; `resume_fsdp`: the same under `ShardedDataParallel()` (the state split
+over the processes: Orbax writes the checkpoints) — and
 writes the final weights (whole) and update count to `OUT.npz`.
 Each process feeds its own slice of every global batch
 (`auto_shard_dataset=False`), as on a multi-host TPU slice.
@@ -43,15 +45,16 @@ def _callbacks(features: str, keras, np):
                      f"{features!r}")
 
 
-def _resume(out: str) -> None:
-    """`resume`: `resume_cases.train("cluster", ...)` (every training feature, data
-    shuffled through `distribute(seed=...)`, this process's share of each global batch),
-    with `ResumableCheckpoint(KTM_RESUME_DIR)` when that is set and a SIGKILL of this
-    process at the end of batch `KTM_KILL_AT` when that is set; the final state (weights,
-    optimizer variables, masks: replicated, read from this process's copy) by sorted
+def _resume(out: str, case: str) -> None:
+    """`resume`, `resume_fsdp`: `resume_cases.train(case, ...)` (every training feature,
+    data shuffled through `distribute(seed=...)`, this process's share of each global
+    batch), with `ResumableCheckpoint(KTM_RESUME_DIR)` when that is set and a SIGKILL of
+    this process at the end of batch `KTM_KILL_AT` when that is set; the final state
+    (weights, optimizer variables, masks: gathered whole from every process) by sorted
     name, then the update count and the device count."""
     import jax
     import numpy as np
+    from jax.experimental import multihost_utils
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also under -P
     import resume_cases
@@ -59,9 +62,11 @@ def _resume(out: str) -> None:
     directory = os.environ.get("KTM_RESUME_DIR")
     kill_at = os.environ.get("KTM_KILL_AT")
     model, callbacks, _ = resume_cases.train(
-        "cluster", directory, stop_at=None if kill_at is None else int(kill_at), kill=True)
-    arrays = resume_cases.state_arrays(model, callbacks)
-    iterations = int(np.asarray(model.optimizer.iterations.value))
+        case, directory, stop_at=None if kill_at is None else int(kill_at), kill=True)
+    arrays = resume_cases.state_arrays(
+        model, callbacks, lambda value: np.asarray(multihost_utils.process_allgather(
+            value, tiled=True)))
+    iterations = int(np.asarray(model.optimizer.iterations.value.addressable_data(0)))
     np.savez(out, *(arrays[name] for name in sorted(arrays)), iterations=iterations,
              devices=jax.device_count())
 
@@ -83,8 +88,8 @@ def main(process_id: int, num_processes: int, devices: int, port: int, out: str,
     if num_processes > 1:
         keras.distribution.initialize(job_addresses=f"127.0.0.1:{port}",
                                       num_processes=num_processes, process_id=process_id)
-    if features == "resume":
-        _resume(out)
+    if features in ("resume", "resume_fsdp"):
+        _resume(out, {"resume": "cluster", "resume_fsdp": "cluster_fsdp"}[features])
         return
     rng = np.random.default_rng(0)
     x = rng.normal(size=(UPDATES * GLOBAL_BATCH, 16)).astype("float32")

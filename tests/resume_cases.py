@@ -22,8 +22,9 @@ import sys
 EPOCHS, BATCH, EXAMPLES, EVERY, DATA_SEED = 3, 32, 320, 5, 11
 JAX_CASES = ("dp8", "fsdp8")
 #: The cases fit under a `keras.distribution` (JAX), also `cluster`: `DataParallel` over
-#: a `jax.distributed` job's devices (tests/multiprocess_worker_jax.py).
-_KERAS_DISTRIBUTION_CASES = (*JAX_CASES, "cluster")
+#: a `jax.distributed` job's devices, and `cluster_fsdp`: `ShardedDataParallel` over them
+#: (the state split over the processes; tests/multiprocess_worker_jax.py).
+_KERAS_DISTRIBUTION_CASES = (*JAX_CASES, "cluster", "cluster_fsdp")
 TENSORFLOW_CASES = ("mirrored", "jit")
 
 
@@ -39,11 +40,13 @@ def _distribution(case):
 
         return keras.distribution.DataParallel(devices=jax.devices(),
                                                auto_shard_dataset=False).scope()
-    if case == "fsdp8":
+    if case in ("fsdp8", "cluster_fsdp"):
         import jax
 
         from keras_tpu_mem.sharding import ShardedDataParallel
 
+        if case == "cluster_fsdp":  # every device of a jax.distributed job, as `cluster`
+            return ShardedDataParallel(devices=jax.devices(), auto_shard_dataset=False).scope()
         return ShardedDataParallel(devices=jax.devices()[:8]).scope()
     if case == "mirrored":
         from keras_tpu_mem import TPUStrategyWrapper
@@ -142,23 +145,23 @@ def train(case, directory=None, *, stop_at=None, kill=False, asynchronous=True, 
     return student, callbacks, history
 
 
-def state_arrays(model, callbacks) -> dict:
-    """Weights, optimizer variables and pruning masks as numpy arrays, by position."""
+def state_arrays(model, callbacks, to_numpy=None) -> dict:
+    """Weights, optimizer variables and pruning masks as numpy arrays, by position
+    (`to_numpy`: how an array is read whole; Keras' `convert_to_numpy` by default)."""
     import keras
 
     import keras_tpu_mem as ktm
 
-    arrays = {f"weight/{i}": keras.ops.convert_to_numpy(v.value)
-              for i, v in enumerate(model.weights)}
-    arrays.update({f"optimizer/{i}": keras.ops.convert_to_numpy(v.value)
+    to_numpy = to_numpy or keras.ops.convert_to_numpy
+    arrays = {f"weight/{i}": to_numpy(v.value) for i, v in enumerate(model.weights)}
+    arrays.update({f"optimizer/{i}": to_numpy(v.value)
                    for i, v in enumerate(model.optimizer.variables)})
     from keras_tpu_mem.engine import Engine
 
     pruning = next(c for c in callbacks if isinstance(c, ktm.Pruning))
     # The masks as the engine holds them (their dtype too: float without XLA).
     masks = Engine.of(model).feature_state(pruning).masks
-    arrays.update({f"mask/{i}": keras.ops.convert_to_numpy(mask)
-                   for i, mask in enumerate(masks)})
+    arrays.update({f"mask/{i}": to_numpy(mask) for i, mask in enumerate(masks)})
     return arrays
 
 

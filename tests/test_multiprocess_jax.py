@@ -119,21 +119,27 @@ def test_two_processes_shard_the_state_like_one_process(tmp_path):
     assert _max_diff(pair[0]["weights"], single["weights"]) <= 1e-5
 
 
-def test_two_processes_each_killed_resume_bit_exact(tmp_path):
-    """Issue 30's floor: 2 processes x 2 devices (`DataParallel` over the 4), every
-    training feature on, data shuffled through `distribute(seed=...)`, saves every 5
-    updates; each process SIGKILLed at the end of batch 17 (epoch 2), the job started
-    again: the final weights, optimizer slots and pruning masks equal those of the job
-    never stopped, bit for bit, on both processes."""
-    want = _cluster(tmp_path / "uninterrupted", 2, 2, "resume")
+@pytest.mark.parametrize("features, arrays_in", [("resume", "state.bin"),
+                                                ("resume_fsdp", "state.orbax")])
+def test_two_processes_each_killed_resume_bit_exact(tmp_path, features, arrays_in):
+    """Issue 30's floor: 2 processes x 2 devices, every training feature on, data
+    shuffled through `distribute(seed=...)`, saves every 5 updates; each process
+    SIGKILLed at the end of batch 17 (epoch 2), the job started again: the final
+    weights, optimizer slots and pruning masks equal those of the job never stopped,
+    bit for bit, on both processes. Under `DataParallel` over the 4 devices (the state
+    replicated: process 0 writes `state.bin`), and under `ShardedDataParallel` (the
+    state split over the processes: each writes its shards through Orbax)."""
+    want = _cluster(tmp_path / "uninterrupted", 2, 2, features)
     directory = str(tmp_path / "checkpoints")
-    _cluster(tmp_path / "killed", 2, 2, "resume",
+    _cluster(tmp_path / "killed", 2, 2, features,
              {"KTM_RESUME_DIR": directory, "KTM_KILL_AT": "17"}, killed=True)
     from keras_tpu_mem.resume import store
 
-    saved = [info.update for info in store.list_checkpoints(directory)]
-    assert saved and max(saved) >= 10 and max(saved) < 17, saved
-    got = _cluster(tmp_path / "restarted", 2, 2, "resume", {"KTM_RESUME_DIR": directory})
+    saved = store.list_checkpoints(directory)
+    assert saved and max(i.update for i in saved) >= 10 and max(i.update for i in saved) < 17, \
+        [i.update for i in saved]
+    assert all(os.path.exists(os.path.join(info.path, arrays_in)) for info in saved)
+    got = _cluster(tmp_path / "restarted", 2, 2, features, {"KTM_RESUME_DIR": directory})
     for result in got:
         assert result["iterations"] == want[0]["iterations"] == 30
         assert len(result["weights"]) == len(want[0]["weights"])

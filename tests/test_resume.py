@@ -536,7 +536,8 @@ def test_another_model_is_refused_before_anything_changes(tmp_path):
                   callbacks=[ktm.ResumableCheckpoint(str(tmp_path))])
     _assert_bit_exact(dict(enumerate(other.get_weights())), dict(enumerate(before)))
     assert ktm.ResumableCheckpoint(str(tmp_path), every=4).get_config() == {
-        "directory": str(tmp_path), "every": 4, "keep": 2, "asynchronous": True}
+        "directory": str(tmp_path), "every": 4, "keep": 2, "asynchronous": True,
+        "orbax": None}
 
 
 class _IndexedBatches(keras.utils.PyDataset):

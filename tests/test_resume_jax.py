@@ -26,14 +26,35 @@ def test_saved_sharded_resumes_under_data_parallel(tmp_path):
                                    rtol=0, atol=1e-6, err_msg=key)
 
 
-def test_state_split_over_processes_is_refused_at_train_begin(tmp_path, monkeypatch):
-    """Under `jax.distributed` every variable spans several processes' devices (not
-    fully addressable): one split over them (not replicated) is refused by name in
-    on_train_begin, before a save or restore, not at the first save; a replicated one
-    is read (a two-process job resumes: tests/test_multiprocess_jax.py)."""
+def _split_fit(tmp_path, monkeypatch, **kwargs):
+    """A fit whose kernel `Step.split_over_processes` reports split over processes (as
+    under `ShardedDataParallel` on a pod); returns the variables it was asked about."""
     import keras
 
     import keras_tpu_mem as ktm
+    from keras_tpu_mem.backends.jax.trainer import Step
+
+    seen = []
+
+    def split(variables):
+        seen.extend(variables)
+        return [v.path for v in variables if v.path.endswith("kernel")]
+
+    monkeypatch.setattr(Step, "split_over_processes", staticmethod(split))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="adam", loss="mse")
+    x = np.zeros((16, 4), "float32")
+    model.fit(x, x[:, :3], batch_size=8, shuffle=False, verbose=0,
+              callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=1, **kwargs)])
+    return model, seen
+
+
+def test_split_state_without_orbax_is_refused_at_train_begin(tmp_path, monkeypatch):
+    """State split over processes (not fully addressable, not replicated) is written
+    through Orbax; `orbax=False`, or Orbax not installed, is refused by name in
+    on_train_begin, before a save or restore, not at the first save."""
+    from keras_tpu_mem.backends.jax import sharded_checkpoint
     from keras_tpu_mem.backends.jax.trainer import Step
 
     class Spread:
@@ -48,25 +69,70 @@ def test_state_split_over_processes_is_refused_at_train_begin(tmp_path, monkeypa
     class ReplicatedVariable:
         path, value = "dense/bias", Replicated()
 
-    Step.check_state_readable([ReplicatedVariable()])
+    assert Step.split_over_processes([ReplicatedVariable(), Variable()]) == ["dense/kernel"]
     with pytest.raises(ValueError, match=r"e\.g\. 'dense/kernel'\) are split over several"):
-        Step.check_state_readable([ReplicatedVariable(), Variable()])
-    seen, check = [], Step.check_state_readable
-
-    def spread(variables):
-        seen.extend(variables)
-        check([Variable()])
-
-    monkeypatch.setattr(Step, "check_state_readable", staticmethod(spread))
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    model.compile(optimizer="adam", loss="mse")
-    x = np.zeros((16, 4), "float32")
-    with pytest.raises(ValueError, match=r"split over processes \(Orbax\)"):
-        model.fit(x, x[:, :3], batch_size=8, shuffle=False, verbose=0,
-                  callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=1)])
-    assert {id(v) for v in model.variables} <= {id(v) for v in seen}
+        Step.state_values([ReplicatedVariable(), Variable()])
+    with pytest.raises(ValueError, match=r"orbax=False.*e\.g\. 'sequential\w*/dense\w*/kernel'"):
+        _split_fit(tmp_path, monkeypatch, orbax=False)
     assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(sharded_checkpoint, "problem",
+                        lambda: 'orbax-checkpoint is not installed: pip install "keras-tpu-'
+                                'mem[checkpoint]"')
+    with pytest.raises(ImportError, match=r"split over several.*keras-tpu-mem\[checkpoint\]"):
+        _split_fit(tmp_path, monkeypatch)
+    assert list(tmp_path.iterdir()) == []
+    import keras_tpu_mem as ktm
+
+    with pytest.raises(ImportError, match=r"orbax=True.*keras-tpu-mem\[checkpoint\]"):
+        ktm.ResumableCheckpoint(str(tmp_path), orbax=True)
+
+
+def _orbax_fit(case, directory=None, stop_at=None):
+    """`resume_cases.train` with `ResumableCheckpoint(orbax=True)`, saving synchronously
+    (an in-process stop must not leave a save in flight)."""
+    import keras_tpu_mem as ktm
+
+    original = ktm.ResumableCheckpoint
+
+    def orbax_checkpoint(directory, **kwargs):
+        return original(directory, **dict(kwargs, orbax=True, asynchronous=False))
+
+    ktm.ResumableCheckpoint = orbax_checkpoint
+    try:
+        return resume_cases.train(case, directory, stop_at=stop_at)
+    finally:
+        ktm.ResumableCheckpoint = original
+
+
+@pytest.mark.slow
+def test_orbax_checkpoints_resume_bit_exact_and_a_damaged_one_is_skipped(tmp_path, caplog):
+    """`orbax=True` in one process (what a pod's processes do with split state, checked
+    with two processes in tests/test_multiprocess_jax.py): stopped under
+    `ShardedDataParallel()` with every feature on, the newest checkpoint's Orbax files
+    damaged (a data file gone): it is skipped with a warning naming it, the one before
+    is restored into `DataParallel(8)`'s layouts (Orbax reshards), and the run ends
+    within 1e-6 of the run never stopped."""
+    import logging
+    import os
+    import shutil
+
+    from keras_tpu_mem.resume import store
+
+    reference, callbacks, _ = resume_cases.train("fsdp8")
+    want = resume_cases.state_arrays(reference, callbacks)
+    with pytest.raises(RuntimeError, match="preempted"):
+        _orbax_fit("fsdp8", str(tmp_path), stop_at=17)
+    saved = store.list_checkpoints(str(tmp_path))
+    assert [info.update for info in saved] == [10, 15] and all(map(store.is_sharded, saved))
+    shutil.rmtree(os.path.join(saved[-1].path, "state.orbax", "d"))
+    with caplog.at_level(logging.WARNING, logger="keras_tpu_mem"):
+        model, callbacks, _ = _orbax_fit("dp8", str(tmp_path))
+    assert callbacks[-1].resumed_from.update == 10
+    assert "update-000000015: Orbax could not read state.orbax" in caplog.text
+    got = resume_cases.state_arrays(model, callbacks)
+    for key in want:
+        np.testing.assert_allclose(got[key].astype("float64"), want[key].astype("float64"),
+                                   rtol=0, atol=1e-6, err_msg=key)
 
 
 def test_a_remote_directory_no_file_system_writes_is_refused_up_front():

@@ -541,9 +541,10 @@ class Trainer(Protocol):
     count)`: a resumed fit's call that reads its batches and runs no step,
     `abandon_call(args)`: a refused call's state put back into the variables,
     `state_values(variables)`: their values as numpy arrays outside the step,
-    `check_state_readable(variables)`: a `ValueError` where `state_values` cannot read
-    them in this process, `writes_checkpoints()`: whether this process writes what it
-    reads (one process of a multi-process job does))."""
+    `split_over_processes(variables)`: the paths of those no process holds whole
+    (`state_values` refuses them; `ShardedCheckpoint` writes them),
+    `writes_checkpoints()`: whether this process writes what it reads (one process
+    of a multi-process job does))."""
 
     def update_variable(self, variable, fn, *args):
         """Updates a model variable from inside the step, consistently on every replica:
@@ -595,6 +596,38 @@ class TpuTopology(Protocol):
     def compile_options(self, reserved_bytes: int | None = None) -> dict:
         """XLA:TPU's compile options for a compile leaving `reserved_bytes` of HBM free
         (None: one made now, as `reserving_hbm` says)."""
+        ...
+
+
+class ShardedCheckpoint(Protocol):
+    """JAX only: a checkpoint of arrays split over a multi-process job's devices, each
+    process writing and reading its own shards (Orbax), for `ResumableCheckpoint`.
+    `tf.distribute` holds every value whole in each process (mirrored), so TensorFlow's
+    state is always read whole."""
+
+    OrbaxUnavailable: type
+    """An `ImportError`: orbax-checkpoint is not installed (the message names the
+    install)."""
+
+    Writer: type
+    """`Writer()`: `save(path, tree)` on every process, returning once this process's
+    shards are off its devices; `wait()` until the folder is complete on every process;
+    `close()`."""
+
+    def problem(self) -> str | None:
+        """Why Orbax cannot write checkpoints here, or None."""
+        ...
+
+    def restore(self, path: str, like):
+        """The tree saved at `path`, each array laid out as its counterpart in `like`."""
+        ...
+
+    def to_host(self, values) -> list:
+        """This process's shards of each array, copied to host memory."""
+        ...
+
+    def from_host(self, copies) -> list:
+        """The arrays `to_host` copied, on their devices again."""
         ...
 
 
@@ -695,6 +728,7 @@ CONCERNS: dict[str, type] = {
     "strategy": Strategy,
     "trainer": Trainer,
     "tpu_topology": TpuTopology,
+    "sharded_checkpoint": ShardedCheckpoint,
     "data": Data,
     "batch_split": BatchSplit,
     "cluster": Cluster,
@@ -703,6 +737,7 @@ CONCERNS: dict[str, type] = {
 #: The concerns only one backend has, and that backend (each protocol says why).
 ONLY_ON: dict[str, str] = {
     "tpu_topology": "jax",
+    "sharded_checkpoint": "jax",
     "data": "tensorflow",
     "batch_split": "tensorflow",
     "cluster": "tensorflow",

@@ -94,6 +94,26 @@ def _check_tf_data_order(dataset, found, epochs: int) -> None:
             "(the repeated passes' orders are then the same at every run).")
 
 
+def _orbax_problem(split) -> None:
+    """Raises where this fit cannot write through Orbax: on TensorFlow a `ValueError`,
+    without orbax-checkpoint installed an `ImportError` naming the install. `split`:
+    the paths of the values split over processes that need it (None: `orbax=True`)."""
+    backend = backends.current("ResumableCheckpoint")
+    if not backend.has("sharded_checkpoint"):
+        raise ValueError(
+            f"ResumableCheckpoint(orbax=True) writes JAX arrays through Orbax, and this is "
+            f"the {backend.label} backend, whose strategies hold every value whole in one "
+            "process: pass `orbax=None` (the default) or False.")
+    problem = backend.sharded_checkpoint.problem()
+    if problem:
+        why = (f"{len(split)} values (e.g. {split[0]!r}) are split over several processes' "
+               "devices, and a checkpoint of them is written" if split else
+               "`orbax=True` writes the state")
+        raise backend.sharded_checkpoint.OrbaxUnavailable(
+            f"ResumableCheckpoint: {why} through Orbax, each process its own shards, and "
+            f"{problem}.")
+
+
 def _build_optimizer(model) -> None:
     """Creates the optimizer's variables before they are restored: Keras builds them
     in the first step where no strategy is set (TensorFlow's default strategy)."""
@@ -144,6 +164,12 @@ def _readable(group: list) -> list:
     if group and isinstance(group[0], _StateLeaf):
         return group[0].owner.snapshot()
     return group
+
+
+def _live_values(group: list) -> list:
+    """The arrays a saved group holds now, where they are (no copy): what Orbax writes
+    and what a checkpoint of split state is read back like."""
+    return [leaf.value for leaf in _readable(group)]
 
 
 def _assign(group: list, values) -> None:
@@ -222,7 +248,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     """
 
     def __init__(self, directory, every: int = 100, keep: int = 2,
-                 asynchronous: bool = True):
+                 asynchronous: bool = True, orbax: bool | None = None):
         super().__init__()
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"`directory` must be a path (str or os.PathLike), got "
@@ -237,10 +263,16 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         check_positive_int(keep, "keep")
         if not isinstance(asynchronous, bool):
             raise TypeError(f"`asynchronous` must be a bool, got {asynchronous!r}.")
+        if orbax is not None and not isinstance(orbax, bool):
+            raise TypeError(f"`orbax` must be None (Orbax where the state is split over "
+                            f"processes), True or False, got {orbax!r}.")
+        if orbax:
+            _orbax_problem(None)
         self.directory = directory
         self.every = every
         self.keep = keep
         self.asynchronous = asynchronous
+        self.orbax = orbax
         #: The checkpoint the last `fit` resumed from (a `CheckpointInfo`), or None.
         self.resumed_from = None
         # One writer thread for the fit (a thread made per save cost a 0.5 ms step
@@ -251,11 +283,14 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # This fit's position and restore, set again at each on_train_begin.
         self._resume_at = self._metrics_values = self._saved_global_batch = None
         self._undo = self._last_begin = self._epoch_order = self._saved_groups = None
+        # Whether this fit writes through Orbax (`orbax`, or state split over processes),
+        # and Orbax's writer (made at the fit's first such save).
+        self._sharded, self._sharded_writer = False, None
         self._epoch, self._skipping, self._position_pending = 0, False, False
 
     def get_config(self) -> dict:
         return {"directory": self.directory, "every": self.every, "keep": self.keep,
-                "asynchronous": self.asynchronous}
+                "asynchronous": self.asynchronous, "orbax": self.orbax}
 
     # ------------------------------------------------------------ variables
     def _groups(self, model) -> dict[str, list]:
@@ -297,15 +332,15 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._steps = (self.params or {}).get("steps")
         self._spe = int(getattr(model, "steps_per_execution", 1) or 1)
         self._engine = Engine.attach(model)
-        # Refused here, before anything is restored, not at the first save.
-        self._engine.backend_step.check_state_readable(
-            [v for group in self._groups(model).values() for v in _readable(group)])
+        groups = self._groups(model)
+        # The values now, from one read of each feature's state.
+        readable = {name: _readable(group) for name, group in groups.items()}
+        # Decided here, before anything is restored, not at the first save.
+        self._sharded = self._writes_sharded(readable)
         self._resume_at = self._metrics_values = self._undo = self._saved_groups = None
         self._position_pending = False
         self.resumed_from = None
-        found = store.latest_complete(self.directory)
-        if found is not None:
-            self._restore(model, *found)
+        self._restore_latest(model, groups, readable)
         self._base_update = self._updates_made(model)
         self._last_saved = self._base_update
         self._batches = 0  # batches run since `_base_update` was read
@@ -313,7 +348,47 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._global_batch = None
         observe_first_batch(model, self._first_batch)
 
-    def _restore(self, model, info, saved):
+    def _writes_sharded(self, readable) -> bool:
+        """Whether this fit writes through Orbax: `orbax=True`, or (`orbax=None`) state
+        split over a multi-process job's devices, which no process can read whole.
+        `readable`: group name -> its values (`_readable`)."""
+        split = self._engine.backend_step.split_over_processes(
+            [leaf for group in readable.values() for leaf in group])
+        if split and self.orbax is False:
+            raise ValueError(
+                f"ResumableCheckpoint(orbax=False) writes every value whole from one "
+                f"process, and {len(split)} values (e.g. {split[0]!r}) are split over "
+                "several processes' devices: no process holds them whole. Pass "
+                "`orbax=None` (the default): Orbax writes them, each process its shards.")
+        if self.orbax or split:
+            _orbax_problem(split or None)
+            return True
+        return False
+
+    def _restore_latest(self, model, groups, readable) -> None:
+        """Restores the newest complete checkpoint, if there is one. `groups`, and
+        `readable` (their values), as this fit's start made them."""
+        like = None
+        if backends.current("ResumableCheckpoint").has("sharded_checkpoint"):
+            # A checkpoint of split state is read into the arrays in its place, laid
+            # out as this fit lays them out (saved split, resumed replicated too). On
+            # JAX, Keras builds the optimizer before `on_train_begin`.
+            like = {name: [leaf.value for leaf in group] for name, group in readable.items()}
+
+        def check(info):
+            nonlocal groups
+            if not model.optimizer.built:  # TensorFlow builds it in the first step
+                _build_optimizer(model)
+                groups = self._groups(model)
+            self._check_saved(info, groups)
+
+        found = store.latest_complete(self.directory, check, like)
+        if found is not None:
+            self._restore(model, groups, *found)
+
+    def _check_saved(self, info, groups) -> None:
+        """Refuses a checkpoint of another model or other callbacks, or saved at other
+        steps per epoch, before its arrays are read."""
         saved_steps = info.meta.get("steps_per_epoch")
         if saved_steps and self._steps and saved_steps != self._steps:
             raise ValueError(
@@ -321,9 +396,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 f"has {self._steps}: its position (epoch {info.epoch}, batch {info.batch}) "
                 "would mean other examples. Resume with the global batch and data it was "
                 f"saved with, or start afresh with another `directory`.")
-        _build_optimizer(model)
-        groups = self._groups(model)
-        for name, pairs in saved.items():
+        saved = info.meta["arrays"]
+        for name, entries in saved.items():
             if name == _METRICS:
                 continue  # checked where they are restored (`on_epoch_begin`)
             variables = groups.get(name)
@@ -331,13 +405,25 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 raise ValueError(
                     f"{info.path} holds the state of {name!r}, which this fit does not "
                     f"have (it has {sorted(groups)}). Resume with the same callbacks.")
-            self._check_group(info, name, variables, pairs)
+            self._check_group(info, name, variables, entries)
         missing = [name for name, variables in groups.items()
                    if name not in saved and name != _METRICS and variables]
         if missing:
             raise ValueError(f"{info.path} holds no state for {missing}: this fit has "
                              "callbacks the saved run did not. Resume with the same ones.")
-        before = {name: self._values(groups[name]) for name in saved if name != _METRICS}
+
+    def _kept(self, group):
+        """The group's values now, kept in host memory (this process's shards of split
+        values), as a function giving them back for `_assign`."""
+        if self._sharded:
+            sharded = backends.current("ResumableCheckpoint").sharded_checkpoint
+            copies = sharded.to_host(_live_values(group))
+            return lambda: sharded.from_host(copies)
+        values = [value for _, value in self._values(group)]
+        return lambda: values
+
+    def _restore(self, model, groups, info, saved):
+        before = {name: self._kept(groups[name]) for name in saved if name != _METRICS}
         for name, pairs in saved.items():
             if name == _METRICS:
                 continue  # at the resumed epoch's start, after Keras resets them
@@ -345,8 +431,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         keras_compat.set_initial_epoch(model, info.epoch if info.epoch else None)
 
         def undo():
-            for name, pairs in before.items():
-                _assign(groups[name], [value for _, value in pairs])
+            for name, values in before.items():
+                _assign(groups[name], values())
             keras_compat.set_initial_epoch(model, None)
 
         self._undo = undo
@@ -358,20 +444,22 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                     info.path, info.update, info.epoch + 1, info.batch)
 
     @staticmethod
-    def _check_group(info, name, variables, pairs):
-        if len(variables) != len(pairs):
+    def _check_group(info, name, variables, entries):
+        """`entries`: the group's arrays as `checkpoint.json` describes them."""
+        if len(variables) != len(entries):
             raise ValueError(
-                f"{info.path} holds {len(pairs)} {name} variables and this fit has "
+                f"{info.path} holds {len(entries)} {name} variables and this fit has "
                 f"{len(variables)}: not the model/optimizer it was saved from. Build the "
                 "same model and optimizer (the same script) to resume.")
-        for variable, (path, value) in zip(variables, pairs):
+        for variable, entry in zip(variables, entries):
             shape = tuple(int(d) for d in variable.shape)
             dtype = keras.backend.standardize_dtype(variable.dtype)
-            if tuple(value.shape) != shape or value.dtype.name != dtype:
+            saved = (tuple(entry["shape"]), entry["dtype"])
+            if saved != (shape, dtype):
                 raise ValueError(
-                    f"{info.path}: {name} variable {path!r} was saved as "
-                    f"{tuple(value.shape)} {value.dtype.name}, and this fit's "
-                    f"{variable.path!r} is {shape} {dtype}. Build the same model to resume.")
+                    f"{info.path}: {name} variable {entry['path']!r} was saved as "
+                    f"{saved[0]} {saved[1]}, and this fit's {variable.path!r} is {shape} "
+                    f"{dtype}. Build the same model to resume.")
 
     def _first_batch(self, size):
         self._global_batch = size
@@ -410,7 +498,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         info, pairs = self._metrics_values
         variables = self._groups(self.model)[_METRICS]
         if len(variables) == len(pairs):
-            self._check_group(info, _METRICS, variables, pairs)
+            self._check_group(info, _METRICS, variables, info.meta["arrays"][_METRICS])
             _assign(variables, [value for _, value in pairs])
         else:
             # Keras builds the compiled metrics in the first step where no strategy is
@@ -476,6 +564,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
+        if self._sharded_writer is not None:
+            writer, self._sharded_writer = self._sharded_writer, None
+            try:
+                writer.wait()  # this process's shards of the last save (every process)
+            except BaseException as err:
+                self._write_error = self._write_error or err
+            writer.close()
         self._raise_write_error()
 
     def _save(self, epoch: int, batch: int) -> None:
@@ -483,32 +578,70 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         update = self._updates_made(model)
         self._last_saved = self._base_update = update
         self._batches = 0
-        if not self._engine.backend_step.writes_checkpoints():
+        writes = self._engine.backend_step.writes_checkpoints()
+        if not writes and not self._sharded:
             return  # another process of the job writes the same (replicated) state
         if self._saved_groups is None:
             # Made once a step has run: Keras and the TensorFlow engine make the
             # optimizer's, the metrics' and the features' variables in the first one.
             self._saved_groups = self._groups(model)
-        groups = {name: self._values(group) for name, group in self._saved_groups.items()}
         meta = {"epoch": epoch, "batch": batch, "steps_per_epoch": self._steps,
                 "global_batch_size": self._global_batch,
                 "batches_per_update": self._engine.batches_per_update(),
                 "backend": self._engine.backend.label, "keras": keras.__version__}
+        if self._sharded:
+            self._save_sharded(update, meta, writes)
+            return
+        groups = {name: self._values(group) for name, group in self._saved_groups.items()}
         self._wait()
         self._raise_write_error()
+        self._run_write(self._write, update, groups, meta)
+
+    def _save_sharded(self, update, meta, writes) -> None:
+        """Every process starts Orbax's save of its shards (the arrays as they are now:
+        Orbax copies them off the devices before it returns); process 0 then commits
+        the folder once every process's files are complete."""
+        self._wait()
+        self._raise_write_error()
+        if self._sharded_writer is None:
+            self._sharded_writer = backends.current(
+                "ResumableCheckpoint").sharded_checkpoint.Writer()
+        # Process 0 empties the folder before Orbax's save, whose first barrier the
+        # other processes wait at before they write into it.
+        staging = store.staging_folder(self.directory, update, make=writes)
+        tree = {name: _live_values(group)
+                for name, group in self._saved_groups.items() if group}
+        self._sharded_writer.save(store.sharded_state_folder(staging), tree)
+        if writes:
+            self._run_write(self._commit_sharded, staging, update, meta)
+
+    def _run_write(self, write, *args) -> None:
+        """Runs `write(*args)` on the writer thread, or here when not asynchronous."""
         if self.asynchronous:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="ResumableCheckpoint")
-            self._writer = self._executor.submit(self._write, update, groups, meta)
+            self._writer = self._executor.submit(write, *args)
         else:
-            self._write(update, groups, meta)
+            write(*args)
             self._raise_write_error()
 
     def _write(self, update, groups, meta):
+        self._writing(lambda: store.write_checkpoint(self.directory, update, groups, meta))
+
+    def _commit_sharded(self, staging, update, meta):
+        def commit():
+            self._sharded_writer.wait()
+            return store.commit_sharded(self.directory, staging, update,
+                                        self._saved_groups, meta)
+        self._writing(commit)
+
+    def _writing(self, write):
+        """Runs `write()` (which returns the checkpoint's folder), then prunes; an error
+        is kept for the training thread (`_raise_write_error`)."""
         started = time.perf_counter()
         try:
-            path = store.write_checkpoint(self.directory, update, groups, meta)
+            path = write()
             store.prune(self.directory, self.keep)
             logger.debug("ResumableCheckpoint: wrote %s in %.2f s.", path,
                          time.perf_counter() - started)

@@ -48,6 +48,8 @@ _PARTIAL = ".partial-"
 _META = "checkpoint.json"
 _STATE = "state.bin"
 _STATE_V1 = "state.npz"
+#: The split arrays of a multi-process job, written by every process through Orbax.
+_STATE_ORBAX = "state.orbax"
 #: Each array's offset in `state.bin` is a multiple of this (any dtype's alignment).
 _ALIGN = 64
 
@@ -168,6 +170,53 @@ def _copy(src: str, dst: str) -> None:
             target.write(chunk)
 
 
+def _name(update: int) -> str:
+    return f"{_PREFIX}{update:09d}"
+
+
+def staging_folder(directory: str, update: int, make: bool = True) -> str:
+    """The folder a checkpoint's files are written into before `_commit`, made empty
+    when `make` (by one process of a job): a hidden `.partial-` folder locally (renamed
+    into place at the commit), the checkpoint's own folder remotely (complete once
+    `checkpoint.json` is in it)."""
+    name = _name(update)
+    if is_remote(directory):
+        folder = os.path.join(directory, name)
+        if not make:
+            return folder
+        # The same update saved again (a resumed run's epoch end): until its
+        # `checkpoint.json` is written again the folder reads as cut short.
+        _rmtree(folder)
+        _files().makedirs(folder)
+        return folder
+    partial = os.path.join(directory, f"{_PARTIAL}{name}")
+    if not make:
+        return partial
+    os.makedirs(directory, exist_ok=True)
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    return partial
+
+
+def _commit(directory: str, staging: str, record: dict) -> str:
+    """Writes `checkpoint.json` into `staging` (last) and, locally, renames the folder
+    into place; returns the checkpoint's folder."""
+    if is_remote(directory):
+        with _files().GFile(os.path.join(staging, _META), "w") as handle:
+            handle.write(json.dumps(record))
+        return staging
+    with open(os.path.join(staging, _META), "w") as handle:
+        json.dump(record, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    final = os.path.join(directory, _name(record["update"]))
+    if os.path.exists(final):  # the same update saved again (a resumed run's epoch end)
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_dir(directory)
+    return final
+
+
 def write_checkpoint(directory: str, update: int, groups: dict[str, list], meta: dict) -> str:
     """Writes one checkpoint and returns its folder.
 
@@ -178,45 +227,42 @@ def write_checkpoint(directory: str, update: int, groups: dict[str, list], meta:
         groups: Group name -> list of `(path, numpy array)` in a fixed order.
         meta: JSON-serialisable position of the run (`epoch`, `batch` are required).
     """
-    name = f"{_PREFIX}{update:09d}"
     arrays, entries = _flat_arrays(groups)
-    if is_remote(directory):
-        return _write_remote(directory, name, update, arrays, entries, meta)
-    os.makedirs(directory, exist_ok=True)
-    final = os.path.join(directory, name)
-    partial = os.path.join(directory, f"{_PARTIAL}{name}")
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    record = _record(meta, update, _save_state(os.path.join(partial, _STATE), arrays), entries)
-    with open(os.path.join(partial, _META), "w") as handle:
-        json.dump(record, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    if os.path.exists(final):  # the same update saved again (a resumed run's epoch end)
-        shutil.rmtree(final)
-    os.replace(partial, final)
-    _fsync_dir(directory)
-    return final
+    staging = staging_folder(directory, update)
+    if not is_remote(directory):
+        written = _save_state(os.path.join(staging, _STATE), arrays)
+    else:
+        # Hashed in a local file and copied up (no second copy in host memory).
+        with tempfile.TemporaryDirectory(prefix="ktm-checkpoint-") as scratch:
+            state = os.path.join(scratch, _STATE)
+            written = _save_state(state, arrays)
+            _copy(state, os.path.join(staging, _STATE))
+    return _commit(directory, staging, _record(meta, update, written, entries))
 
 
-def _write_remote(directory, name, update, arrays, entries, meta) -> str:
-    """`write_checkpoint` where folders cannot be renamed: `checkpoint.json` last."""
-    files = _files()
-    final = os.path.join(directory, name)
-    with tempfile.TemporaryDirectory(prefix="ktm-checkpoint-") as scratch:
-        state = os.path.join(scratch, _STATE)
-        record = _record(meta, update, _save_state(state, arrays), entries)
-        # The same update saved again (a resumed run's epoch end): until its
-        # `checkpoint.json` is written again the folder reads as cut short.
-        _rmtree(final)
-        files.makedirs(final)
-        _copy(state, os.path.join(final, _STATE))
-    with files.GFile(os.path.join(final, _META), "w") as handle:
-        handle.write(json.dumps(record))
-    return final
+def sharded_state_folder(staging: str) -> str:
+    """Where Orbax writes a checkpoint's split arrays inside its staging folder."""
+    return os.path.join(staging, _STATE_ORBAX)
 
 
-def _record(meta: dict, update: int, written: tuple[int, str], entries: dict) -> dict:
+def commit_sharded(directory: str, staging: str, update: int, groups: dict[str, list],
+                   meta: dict) -> str:
+    """Commits a checkpoint whose arrays Orbax wrote into `sharded_state_folder(staging)`
+    on every process (once they are all complete): its `checkpoint.json` records each
+    array's group, path, shape and dtype (`groups`: name -> what it saved, each with
+    `path`, `shape` and `dtype`, as a variable has); Orbax's own files stand in for
+    the checksum. `size_bytes` counts the arrays' bytes (Orbax's files add little)."""
+    entries = {group: [{"path": item.path, "shape": [int(d) for d in item.shape],
+                        "dtype": _dtype(str(item.dtype)).name}
+                       for item in items]
+               for group, items in groups.items()}
+    size = sum(int(np.prod(entry["shape"], dtype=np.int64)) * _dtype(entry["dtype"]).itemsize
+               for group in entries.values() for entry in group)
+    record = _record(dict(meta, state=_STATE_ORBAX), update, (size, None), entries)
+    return _commit(directory, staging, record)
+
+
+def _record(meta: dict, update: int, written: tuple[int, str | None], entries: dict) -> dict:
     size, sha256 = written
     return dict(meta, format=FORMAT_VERSION, update=int(update), saved_at=time.time(),
                 size_bytes=size, sha256=sha256, arrays=entries)
@@ -257,12 +303,23 @@ def read_info(path: str) -> CheckpointInfo:
         raise CorruptCheckpoint(f"{path}: {_META} is missing or unreadable ({err})") from err
 
 
-def read_arrays(info: CheckpointInfo) -> dict[str, list]:
-    """Group name -> list of `(path, numpy array)`, checked against the checksum.
+def is_sharded(info: CheckpointInfo) -> bool:
+    """Whether a checkpoint's arrays were written split, by every process (Orbax)."""
+    return info.meta.get("state") == _STATE_ORBAX
+
+
+def read_arrays(info: CheckpointInfo, like: dict[str, list] | None = None) -> dict[str, list]:
+    """Group name -> list of `(path, array)`: numpy arrays checked against the checksum,
+    or for a checkpoint of split arrays (`is_sharded`) arrays laid out as those of
+    `like` (group name -> the arrays now in their place), each process reading its
+    own shards.
 
     Raises:
-        CorruptCheckpoint: the arrays' file is missing or does not match its checksum.
+        CorruptCheckpoint: the arrays' file is missing or does not match its checksum,
+            or Orbax cannot read them back.
     """
+    if is_sharded(info):
+        return _read_sharded(info, like)
     name = _STATE_V1 if info.meta.get("format") == 1 else _STATE
     state = os.path.join(info.path, name)
     if not _exists(state):
@@ -281,6 +338,32 @@ def read_arrays(info: CheckpointInfo) -> dict[str, list]:
                 return stored[f"{group}/{index}"].tobytes()
             return _arrays(info, stored_bytes)
     return _arrays(info, lambda group, index, entry: memoryview(data)[entry["offset"]:])
+
+
+def _read_sharded(info: CheckpointInfo, like: dict[str, list] | None) -> dict[str, list]:
+    from keras_tpu_mem import backends
+
+    backend = backends.current("ResumableCheckpoint")
+    if like is None or not backend.has("sharded_checkpoint"):
+        raise ValueError(
+            f"{info.path} holds training state split over a multi-process JAX job's "
+            "devices (written by Orbax, each process its shards): it is read back on the "
+            "JAX backend, into the variables of the model it was saved from.")
+    stored = {group: entries for group, entries in info.meta["arrays"].items() if entries}
+    try:
+        tree = backend.sharded_checkpoint.restore(
+            os.path.join(info.path, _STATE_ORBAX), {group: like[group] for group in stored})
+    except backend.sharded_checkpoint.OrbaxUnavailable:
+        raise
+    except Exception as err:  # Orbax's and TensorStore's errors for missing/bad files
+        reason = str(err).splitlines()[0] if str(err) else ""
+        if len(reason) > 300:  # TensorStore appends its whole spec
+            reason = reason[:300] + "..."
+        raise CorruptCheckpoint(f"{info.path}: Orbax could not read {_STATE_ORBAX} "
+                                f"({type(err).__name__}: {reason})") from err
+    return {group: [(entry["path"], value) for entry, value in
+                    zip(entries, tree[group] if entries else [])]
+            for group, entries in info.meta["arrays"].items()}
 
 
 def _arrays(info: CheckpointInfo, stored_bytes) -> dict[str, list]:
@@ -370,12 +453,17 @@ def list_checkpoints(directory: str, warn: bool = True) -> list[CheckpointInfo]:
     return found
 
 
-def latest_complete(directory: str) -> tuple[CheckpointInfo, dict] | None:
-    """The newest checkpoint whose arrays read back whole, with its arrays; None when
-    there is none. Each one skipped on the way is named in a warning."""
+def latest_complete(directory: str, check=None,
+                    like: dict[str, list] | None = None) -> tuple[CheckpointInfo, dict] | None:
+    """The newest checkpoint whose arrays read back whole, with its arrays
+    (`read_arrays(info, like)`); None when there is none. Each one skipped on the way
+    is named in a warning. `check(info)`, before each one's arrays are read, raises
+    where it cannot be resumed (another model): that is not skipped."""
     for info in reversed(list_checkpoints(directory)):
+        if check is not None:
+            check(info)
         try:
-            return info, read_arrays(info)
+            return info, read_arrays(info, like)
         except CorruptCheckpoint as err:
             logger.warning("Skipping a corrupt checkpoint for the previous one: %s", err)
     return None

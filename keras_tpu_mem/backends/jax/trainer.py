@@ -206,38 +206,36 @@ class Step:
         return {}, state
 
     @staticmethod
-    def check_state_readable(variables) -> None:
-        """Raises a `ValueError` if a value is split over several processes' devices
-        (a `jax.distributed` job with state sharded over its processes): `state_values`
-        reads each value whole in this process. A value replicated on every device of
-        several processes is read from this process's first copy."""
-        spread = [v.path for v in variables
-                  if not getattr(v.value, "is_fully_addressable", True)
-                  and not v.value.is_fully_replicated]
-        if spread:
-            raise ValueError(
-                f"{len(spread)} variables (e.g. {spread[0]!r}) are split over several "
-                f"processes' devices (this job has {jax.process_count()} processes): "
-                "the training state is read whole in each process, which needs it "
-                "replicated (e.g. keras.distribution.DataParallel); a checkpoint of state "
-                "split over processes (Orbax) is not supported yet.")
+    def split_over_processes(variables) -> list[str]:
+        """The paths of the variables whose values are split over several processes'
+        devices (a `jax.distributed` job with state sharded over its processes): no
+        process holds them whole, so `state_values` cannot read them. A value
+        replicated on every device of several processes is not split."""
+        return [v.path for v in variables
+                if not getattr(v.value, "is_fully_addressable", True)
+                and not v.value.is_fully_replicated]
 
     @staticmethod
     def state_values(variables) -> list:
         """The variables' values as numpy arrays, outside the step (after Keras synced
         its training state into them): a replicated value from this process's first
-        copy; a value split over several processes' devices is refused
-        (`check_state_readable`)."""
-        Step.check_state_readable(variables)
+        copy. A value split over several processes' devices is refused
+        (`split_over_processes`)."""
+        split = Step.split_over_processes(variables)
+        if split:
+            raise ValueError(
+                f"{len(split)} values (e.g. {split[0]!r}) are split over several "
+                f"processes' devices (this job has {jax.process_count()} processes): "
+                "no process holds them whole to read.")
         return [np.asarray(variable.value if variable.value.is_fully_addressable
                            else variable.value.addressable_data(0))
                 for variable in variables]
 
     @staticmethod
     def writes_checkpoints() -> bool:
-        """Whether this process writes the checkpoints: process 0 of a `jax.distributed`
-        job (every process holds the same replicated state, `check_state_readable`;
-        each reads the checkpoints back), the only process otherwise."""
+        """Whether this process writes the checkpoints' files (of split state, its
+        record and commit): process 0 of a `jax.distributed` job (each process reads
+        the checkpoints back), the only process otherwise."""
         return jax.process_index() == 0
 
     def abandon_call(self, args) -> None:

@@ -103,9 +103,10 @@ class Step:
         return {}
 
     @staticmethod
-    def check_state_readable(variables) -> None:
-        """Nothing to refuse: one TensorFlow process holds every replica's values
-        (tf.distribute, TPUStrategy included, drives its devices from one client)."""
+    def split_over_processes(variables) -> list[str]:
+        """None is: one TensorFlow process holds every replica's values (tf.distribute,
+        TPUStrategy included, drives its devices from one client)."""
+        return []
 
     @staticmethod
     def writes_checkpoints() -> bool:
