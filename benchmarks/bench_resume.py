@@ -12,7 +12,11 @@ sequences) 8 times, so an epoch is 1,120 and 64 updates.
 * `async/20`     `ResumableCheckpoint(every=20)` (the files written on a
                  background thread: the step waits for the copy off the device);
 * `sync/20`      `ResumableCheckpoint(every=20, asynchronous=False)`;
-* `async/100`    `ResumableCheckpoint(every=100)`.
+* `async/100`    `ResumableCheckpoint(every=100)`;
+* `orbax/20`     `ResumableCheckpoint(every=20, orbax=True)`: the arrays written
+                 through Orbax, as the processes of a pod whose state is split
+                 over them write (asynchronous; needs orbax-checkpoint). Not in
+                 the default set: `--configs none,async/20,orbax/20`.
 
 Every configuration fits one warm-up epoch; then they take turns, one epoch
 each, for `--rounds` rounds (the first of each round rotating); each round's
@@ -23,7 +27,7 @@ saves (the table says how many). The checkpoints go to a temporary directory
 on the local disk.
 
 Run:  python benchmarks/bench_resume.py [--models digits,encoder] [--rounds 7]
-                                        [--out results.json]
+                                        [--configs none,async/20,...] [--out results.json]
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = ("none", "async/20", "sync/20", "async/100")
+ALL_CONFIGS = (*CONFIGS, "orbax/20")
+LABELS = {"none": "none", "async/20": "`ResumableCheckpoint(every=20)`",
+          "sync/20": "`ResumableCheckpoint(every=20, asynchronous=False)`",
+          "async/100": "`ResumableCheckpoint(every=100)`",
+          "orbax/20": "`ResumableCheckpoint(every=20, orbax=True)`"}
 BATCH = {"digits": 32, "encoder": 64}
 #: The data tiled this many times: epochs long enough that the epoch-end save and the
 #: wait for the last write at the fit's end weigh as little as in a real epoch.
@@ -81,7 +90,7 @@ def _model_and_data(name: str):
                                                               TILES[name]))
 
 
-def measure(name: str, rounds: int, root: str) -> dict:
+def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
     import contextlib
 
     import keras
@@ -92,7 +101,7 @@ def measure(name: str, rounds: int, root: str) -> dict:
     scope = distribution.scope if distribution is not None else contextlib.nullcontext
     batch = BATCH[name]
     runs, results = {}, {}
-    for config in CONFIGS:
+    for config in configs:
         with scope():
             model, (x, y) = _model_and_data(name)
             model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
@@ -100,13 +109,14 @@ def measure(name: str, rounds: int, root: str) -> dict:
         results[config] = {"times": []}
     steps = len(runs["none"][1]) // batch
     for r in range(rounds):
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
         for config in order:
             model, x, y = runs[config]
             directory = os.path.join(root, name, config.replace("/", "_"), str(r))
             callbacks = [] if config == "none" else [ResumableCheckpoint(
                 directory, every=int(config.split("/")[1]),
-                asynchronous=config.startswith("async"))]
+                asynchronous=not config.startswith("sync"),
+                orbax=True if config.startswith("orbax") else None)]
             with scope():
                 start = time.perf_counter()
                 model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
@@ -119,6 +129,7 @@ def measure(name: str, rounds: int, root: str) -> dict:
             t / b for t, b in zip(row["times"], results["none"]["times"]))
     results["steps_per_epoch"] = steps
     results["saves_per_epoch"] = {every: steps // every + 1 for every in (20, 100)}
+    results["configs"] = list(configs)
     return results
 
 
@@ -128,12 +139,10 @@ def markdown(name: str, results: dict) -> str:
              f"{saves[20]} with `every=20`, {saves[100]} with `every=100`)", "",
              "| checkpoint | ms/step (median) | time × (median of per-round ratios) |",
              "|---|---|---|"]
-    for config in CONFIGS:
+    for config in results["configs"]:
         row = results[config]
-        label = {"none": "none", "async/20": "`ResumableCheckpoint(every=20)`",
-                 "sync/20": "`ResumableCheckpoint(every=20, asynchronous=False)`",
-                 "async/100": "`ResumableCheckpoint(every=100)`"}[config]
-        lines.append(f"| {label} | {row['ms_per_step']:.2f} | {row['time_ratio']:.3f} |")
+        lines.append(f"| {LABELS[config]} | {row['ms_per_step']:.2f} | "
+                     f"{row['time_ratio']:.3f} |")
     return "\n".join(lines)
 
 
@@ -141,14 +150,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="digits,encoder")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"which of {', '.join(ALL_CONFIGS)} (none first)")
     parser.add_argument("--out", default=None, help="also write the results as JSON")
     args = parser.parse_args(argv)
+    configs = tuple(args.configs.split(","))
+    unknown = [c for c in configs if c not in ALL_CONFIGS]
+    if unknown or configs[:1] != ("none",):
+        parser.error(f"--configs: {unknown or args.configs} (accepted: "
+                     f"{', '.join(ALL_CONFIGS)}; `none` first, the reference)")
     _setup()
     root = tempfile.mkdtemp(prefix="bench_resume_")
     everything = {}
     try:
         for name in args.models.split(","):
-            everything[name] = measure(name, args.rounds, root)
+            everything[name] = measure(name, args.rounds, root, configs)
             print(markdown(name, everything[name]), flush=True)
             print()
     finally:

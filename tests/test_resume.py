@@ -516,10 +516,18 @@ def test_a_different_batch_of_unknown_length_data_is_refused_at_the_first_step(t
     ({"directory": "d", "every": 0}, ValueError, "`every` must be an int >= 1"),
     ({"directory": "d", "keep": 1.5}, TypeError, "`keep` must be an int >= 1"),
     ({"directory": "d", "asynchronous": "yes"}, TypeError, "`asynchronous` must be a bool"),
+    ({"directory": "d", "orbax": "yes"}, TypeError, "`orbax` must be None .*, True or False"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         ktm.ResumableCheckpoint(**kwargs)
+
+
+@pytest.mark.tensorflow_only("TensorFlow has no Orbax writer: its strategies hold every "
+                              "value whole in one process")
+def test_orbax_is_refused_on_tensorflow():
+    with pytest.raises(ValueError, match=r"orbax=True\) writes JAX arrays.*TensorFlow backend"):
+        ktm.ResumableCheckpoint("/tmp/unused", orbax=True)
 
 
 def test_another_model_is_refused_before_anything_changes(tmp_path):

@@ -211,15 +211,19 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     other examples).
 
     What it does not restore: other callbacks' own Python state (e.g.
-    `EarlyStopping`'s patience counter). This release writes the whole state from
-    one process to a directory (`numpy`'s format), local or remote: `gs://bucket/run`
-    goes through `tf.io.gfile` on TensorFlow and fsspec on JAX (`pip install gcsfs`),
-    with `checkpoint.json` written last (object stores rename no folders). In a
+    `EarlyStopping`'s patience counter). The state is written whole from one process
+    into one file (`state.bin`), local or remote: `gs://bucket/run` goes through
+    `tf.io.gfile` on TensorFlow and fsspec on JAX (`pip install gcsfs`), with
+    `checkpoint.json` written last (object stores rename no folders). In a
     multi-process JAX job (a pod's hosts) whose state is replicated
     (`keras.distribution.DataParallel`), process 0 writes and every process reads the
-    same checkpoint back at a restart: give them one directory they all see (`gs://`,
-    a shared disk). State split over the processes (`ShardedDataParallel` on a pod) is
-    refused at `on_train_begin`: its per-host checkpoint (Orbax) is not supported yet.
+    same checkpoint back at a restart. Where the state is split over the processes
+    (`ShardedDataParallel` on a pod: no process holds it whole), every process writes
+    and reads its own shards through Orbax (`pip install "keras-tpu-mem[checkpoint]"`),
+    and process 0 commits the folder once every process's files are complete; Orbax
+    reads it back into this run's layouts, so a checkpoint saved split resumes under
+    another distribution too. Either way, give the processes one directory they all
+    see (`gs://`, a shared disk).
 
     Args:
         directory: Directory of the checkpoints (created if missing): a local path or
@@ -229,6 +233,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         asynchronous: Write the files on a background thread: the step waits only for
             the copy of the values off the device (and for the previous write, if it
             has not finished). False writes before `fit` goes on.
+        orbax: Write the arrays through Orbax, each process its own shards (JAX, with
+            orbax-checkpoint installed). None (the default): where the state is split
+            over a multi-process job's devices, and only there. True: always (e.g. to
+            test a pod's checkpoints on one host). False: never; state split over
+            processes is then refused at `on_train_begin`.
 
     Example:
 
@@ -614,6 +623,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._sharded_writer.save(store.sharded_state_folder(staging), tree)
         if writes:
             self._run_write(self._commit_sharded, staging, update, meta)
+        elif not self.asynchronous:
+            self._sharded_writer.wait()  # this process's shards too, before fit goes on
 
     def _run_write(self, write, *args) -> None:
         """Runs `write(*args)` on the writer thread, or here when not asynchronous."""

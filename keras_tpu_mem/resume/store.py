@@ -23,6 +23,14 @@ without `checkpoint.json` is a save cut short and is skipped. `state.bin` is
 written and hashed in a local temporary file and copied up (local disk, not a
 second copy in host memory), and read back in chunks into the memory the restored
 arrays use.
+
+State split over a multi-process JAX job's devices is written by every process,
+each its own shards, through Orbax into `state.orbax/` (in place of `state.bin`),
+and committed by one process like the rest (`checkpoint.json` last, then the
+rename) once every process's files are complete; Orbax reads it back into the
+layouts it is given (`read_arrays(info, like)`). Its files carry no checksum of
+ours: a damaged folder is skipped where Orbax cannot read it (a file missing; a
+missing chunk is an error, not zeros).
 """
 
 from __future__ import annotations
