@@ -507,7 +507,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         info, pairs = self._metrics_values
         variables = self._groups(self.model)[_METRICS]
         if len(variables) == len(pairs):
-            self._check_group(info, _METRICS, variables, info.meta["arrays"][_METRICS])
+            self._check_group(info, _METRICS, variables, info.meta["arrays"].get(_METRICS, []))
             _assign(variables, [value for _, value in pairs])
         else:
             # Keras builds the compiled metrics in the first step where no strategy is
