@@ -5,6 +5,7 @@ a two-process job killed mid-epoch and resumed by `ResumableCheckpoint`."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import signal
@@ -119,8 +120,11 @@ def test_two_processes_shard_the_state_like_one_process(tmp_path):
     assert _max_diff(pair[0]["weights"], single["weights"]) <= 1e-5
 
 
-@pytest.mark.parametrize("features, arrays_in", [("resume", "state.bin"),
-                                                ("resume_fsdp", "state.orbax")])
+@pytest.mark.parametrize("features, arrays_in", [
+    ("resume", "state.bin"),
+    pytest.param("resume_fsdp", "state.orbax", marks=pytest.mark.skipif(
+        importlib.util.find_spec("orbax") is None,
+        reason='needs orbax-checkpoint: pip install "keras-tpu-mem[checkpoint]"'))])
 def test_two_processes_each_killed_resume_bit_exact(tmp_path, features, arrays_in):
     """Issue 30's floor: 2 processes x 2 devices, every training feature on, data
     shuffled through `distribute(seed=...)`, saves every 5 updates; each process

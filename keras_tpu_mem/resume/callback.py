@@ -335,6 +335,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     # ------------------------------------------------------------ restore
     def on_train_begin(self, logs=None):
+        self._finish_writes()
         self._raise_write_error()
         model = self.model
         self._epoch_order = _check_data(model, (self.params or {}).get("epochs") or 1)
@@ -569,6 +570,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._skipping = False
         if self.resumed_from is not None:
             keras_compat.set_initial_epoch(self.model, None)
+        self._finish_writes()
+        self._raise_write_error()
+
+    def _finish_writes(self) -> None:
+        """Waits for the writes in flight and closes the writers: at the end of a fit,
+        and at the start of the next where the last one ended in an error (Keras calls
+        no `on_train_end` then)."""
         self._wait()
         if self._executor is not None:
             self._executor.shutdown()
@@ -580,7 +588,6 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             except BaseException as err:
                 self._write_error = self._write_error or err
             writer.close()
-        self._raise_write_error()
 
     def _save(self, epoch: int, batch: int) -> None:
         model = self.model  # on JAX the property syncs the training state into the variables
