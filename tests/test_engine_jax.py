@@ -407,3 +407,33 @@ def test_a_failed_step_ends_the_fit_and_takes_its_features_off(case):
             m.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
     assert max_abs_diff(model.get_weights(), twin.get_weights()) <= 1e-6
     assert int(np.asarray(model.optimizer.iterations.value)) == 4
+
+
+@pytest.mark.parametrize("case", ["none", "dp8"])
+def test_the_engines_step_adds_no_copy_to_keras_own(case):
+    """Issue 29's floor: the engine's step with no feature (its loop form, its carry of
+    feature state, its reducer) compiles to exactly as many `copy` instructions as
+    Keras' own `train_step` for the same state and batch, jitted alike (XLA:CPU's
+    optimised HLO; one device and `DataParallel(8)`)."""
+    import re
+
+    import jax
+
+    from keras_tpu_mem._compat import jax as jax_compat
+
+    copy = re.compile(r"= \S+ copy\(")
+    distribution = make_distribution(case)
+    with scope(distribution):
+        model = mesh_mlp(recording=False)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=sparse_ce(),
+                      metrics=["accuracy"])
+        x, y = toy_data(64, 16, 8)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        state = jax_compat.jax_state(model)
+        data = jax_compat.distribute_data((x[:32], y[:32]))
+        counts = {}
+        for name, step in (("keras", model.train_step),
+                           ("engine", Engine.attach(model).backend_step.make_step(jit=False))):
+            text = jax.jit(step, donate_argnums=0).lower(state, data).compile().as_text()
+            counts[name] = len(copy.findall(text))
+    assert counts["engine"] == counts["keras"] > 0, counts
