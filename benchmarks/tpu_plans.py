@@ -19,7 +19,9 @@ Parts (`--parts`, default all):
              untied output: about 9.3B parameters), sequence 512, global batch 8
              (one per chip on a larger slice), on v5e-8, v5e-16 and v6e-8, under
              `ShardedDataParallel()` (weights and slots split over the chips): full
-             fine-tuning with Adam in float32, and LoRA rank 8 on a bfloat16 backbone;
+             fine-tuning with Adam in float32, and LoRA rank 8 on a bfloat16 backbone,
+             each with the largest power-of-two per-chip batch XLA:TPU compiles (as
+             for `bert`, from the plan at one sequence per chip);
 * `sharded`  the engine's `shard_map` step against Keras' own step on the same
              `ShardedDataParallel` layouts left to XLA:TPU's SPMD partitioner: per-chip
              totals and the collectives each optimized HLO holds.
@@ -43,6 +45,7 @@ import re
 import resource
 import sys
 import time
+import types
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -135,16 +138,19 @@ SLICES: tuple = ()
 HEADROOM = 0.10
 #: `--bert`: the (size, sequence) shapes the bert part compiles (empty: the part's own).
 BERT_SHAPES: tuple = ()
-#: `--no-largest`: the bert part skips the search for the largest per-chip batch.
+#: `--no-largest`: the bert and decoder parts skip the search for the largest per-chip
+#: batch.
 LARGEST = True
 
 
-def _largest_per_chip(model, name: str, devices: int, at_per_chip) -> tuple:
+def _largest_per_chip(model, name: str, devices: int, at_per_chip,
+                      per_chip: int = PER_CHIP) -> tuple:
     """`(the largest power-of-two per-chip batch XLA:TPU compiles for slice `name`,
     the compiles it took)`.
 
-    The first batch tried is a guess from the compile at `PER_CHIP` (`at_per_chip`):
-    its bytes beyond the state taken as linear in the batch, against the chip's HBM per
+    The first batch tried is a guess from the compile at `per_chip` (`at_per_chip`:
+    `state_bytes`, `total_bytes`, `refused`), its bytes beyond the state taken as linear
+    in the batch, against the chip's HBM per
     device (`ktm.tpu_slice`); then the batch doubles while XLA:TPU compiles it, or
     halves while XLA:TPU refuses it. Only XLA:TPU's verdicts decide (the guess saves
     compiles, each minutes for a transformer). None where even one example is refused;
@@ -155,14 +161,14 @@ def _largest_per_chip(model, name: str, devices: int, at_per_chip) -> tuple:
     tpu = ktm.tpu_slice(name)
     hbm = tpu.spec.hbm_bytes_per_chip * tpu.chips / tpu.devices
     state = at_per_chip.state_bytes
-    per_sample = max(1.0, (at_per_chip.total_bytes - state) / PER_CHIP)
+    per_sample = max(1.0, (at_per_chip.total_bytes - state) / per_chip)
     guess = max(1, int((hbm - state) // per_sample))
     batch = 1 << (min(guess, 4096).bit_length() - 1)  # a power of two at or below it
     compiles = 0
 
     def fits(b: int) -> bool:
         nonlocal compiles
-        if b == PER_CHIP:
+        if b == per_chip:
             return not at_per_chip.refused
         compiles += 1
         return not ktm.compiled_memory(model, b * devices, device=name,
@@ -234,12 +240,22 @@ def part_decoder(quick: bool) -> list[dict]:
             batch = max(8, ktm.tpu_slice(name).devices)
             with distribution.scope():
                 planned = ktm.plan(model, batch, device=name, by_layer=False)
-            seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - started
+                largest, largest_compiles = None, 0
+                if LARGEST and not quick:
+                    # The guess's state: the weights and slots the plan counts per chip.
+                    at = types.SimpleNamespace(
+                        state_bytes=planned.weight_bytes + planned.optimizer_bytes,
+                        total_bytes=planned.total_bytes, refused=planned.refused)
+                    chips = ktm.tpu_slice(name).devices
+                    largest, largest_compiles = _largest_per_chip(
+                        model, name, chips, at, per_chip=batch // chips)
             params = sum(int(__import__("math").prod(v.shape)) for v in model.weights)
             rows.append(dict(
                 part="decoder", mode=mode, slice=name, params=params, batch=batch,
                 total=planned.total_bytes, capacity=planned.capacity_bytes,
                 fits=planned.fits, refused=planned.refused, seconds=seconds,
+                largest_per_chip=largest, largest_compiles=largest_compiles,
                 compiler=planned.compiler, rss_gib=_rss_gib()))
             print(rows[-1], flush=True)
     return rows
@@ -356,13 +372,16 @@ def markdown(rows: list[dict]) -> str:
     dec = [r for r in rows if r["part"] == "decoder"]
     if dec:
         out += ["| 7B decoder | slice | parameters | per-chip total (XLA:TPU) | HBM | "
-                "verdict | plan (s) | host RSS peak |", "|---|---|---|---|---|---|---|---|"]
+                "verdict | largest per chip (compiles) | plan (s) | host RSS peak |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for r in dec:
             verdict = "fits" if r["fits"] else ("refused: " + r["refused"][:90]
                                                 if r["refused"] else "does not fit")
+            largest = ("—" if r.get("largest_per_chip") is None and not r.get("largest_compiles")
+                       else f"{r['largest_per_chip']} ({r['largest_compiles']})")
             out.append(f"| {r['mode']} | {r['slice']} | {r['params'] / 1e9:.2f} B | "
                        f"{_gib(r['total'])} GiB | {_gib(r['capacity'])} GiB | {verdict} | "
-                       f"{r['seconds']:.0f} | {r['rss_gib']:.2f} GiB |")
+                       f"{largest} | {r['seconds']:.0f} | {r['rss_gib']:.2f} GiB |")
         out.append("")
     mlp = [r for r in rows if r["part"] == "mlp"]
     if mlp:
@@ -405,7 +424,8 @@ def main(argv=None) -> int:
                         help="comma-separated BERT shapes for the bert part, SIZE-SEQUENCE "
                              "(base-128, base-512, large-128, large-512; default: all four)")
     parser.add_argument("--no-largest", action="store_true",
-                        help="bert part: skip the search for the largest per-chip batch")
+                        help="bert and decoder parts: skip the search for the largest "
+                             "per-chip batch")
     args = parser.parse_args(argv)
     global SLICES, HEADROOM, BERT_SHAPES, LARGEST
     SLICES = tuple(x.strip() for x in args.slices.split(",") if x.strip())
