@@ -112,9 +112,11 @@ class StopAt:
         return _Stop()
 
 
-def train(case, directory=None, *, stop_at=None, kill=False, asynchronous=True, seed=2):
+def train(case, directory=None, *, stop_at=None, kill=False, asynchronous=True, seed=2,
+          orbax=None):
     """Builds the student and its teacher under `case` and fits them; returns the
-    student, the callbacks (`ResumableCheckpoint` last when `directory` is given)."""
+    student, the callbacks (`ResumableCheckpoint(directory, asynchronous=, orbax=)` last
+    when `directory` is given)."""
     import keras
 
     import keras_tpu_mem as ktm
@@ -133,7 +135,7 @@ def train(case, directory=None, *, stop_at=None, kill=False, asynchronous=True, 
                      ktm.Distillation(teacher, temperature=2.0, alpha=0.5)]
         if directory is not None:
             callbacks.append(ktm.ResumableCheckpoint(directory, every=EVERY,
-                                                     asynchronous=asynchronous))
+                                                     asynchronous=asynchronous, orbax=orbax))
         if stop_at is not None:
             callbacks.append(StopAt(stop_at, kill))
         if case in _KERAS_DISTRIBUTION_CASES:

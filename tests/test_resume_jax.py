@@ -100,18 +100,8 @@ def test_split_state_without_orbax_is_refused_at_train_begin(tmp_path, monkeypat
 def _orbax_fit(case, directory=None, stop_at=None):
     """`resume_cases.train` with `ResumableCheckpoint(orbax=True)`, saving synchronously
     (an in-process stop must not leave a save in flight)."""
-    import keras_tpu_mem as ktm
-
-    original = ktm.ResumableCheckpoint
-
-    def orbax_checkpoint(directory, **kwargs):
-        return original(directory, **dict(kwargs, orbax=True, asynchronous=False))
-
-    ktm.ResumableCheckpoint = orbax_checkpoint
-    try:
-        return resume_cases.train(case, directory, stop_at=stop_at)
-    finally:
-        ktm.ResumableCheckpoint = original
+    return resume_cases.train(case, directory, stop_at=stop_at, asynchronous=False,
+                              orbax=True)
 
 
 @pytest.mark.slow

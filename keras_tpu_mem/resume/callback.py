@@ -611,7 +611,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         groups = {name: self._values(group) for name, group in self._saved_groups.items()}
         self._wait()
         self._raise_write_error()
-        self._run_write(self._write, update, groups, meta)
+        self._run_write(lambda: store.write_checkpoint(self.directory, update, groups, meta))
 
     def _save_sharded(self, update, meta, writes) -> None:
         """Every process starts Orbax's save of its shards (the arrays as they are now:
@@ -629,30 +629,24 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 for name, group in self._saved_groups.items() if group}
         self._sharded_writer.save(store.sharded_state_folder(staging), tree)
         if writes:
-            self._run_write(self._commit_sharded, staging, update, meta)
+            def commit():
+                self._sharded_writer.wait()  # every process's files complete
+                return store.commit_sharded(self.directory, staging, update,
+                                            self._saved_groups, meta)
+            self._run_write(commit)
         elif not self.asynchronous:
             self._sharded_writer.wait()  # this process's shards too, before fit goes on
 
-    def _run_write(self, write, *args) -> None:
-        """Runs `write(*args)` on the writer thread, or here when not asynchronous."""
+    def _run_write(self, write) -> None:
+        """`_writing(write)` on the writer thread, or here when not asynchronous."""
         if self.asynchronous:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="ResumableCheckpoint")
-            self._writer = self._executor.submit(write, *args)
+            self._writer = self._executor.submit(self._writing, write)
         else:
-            write(*args)
+            self._writing(write)
             self._raise_write_error()
-
-    def _write(self, update, groups, meta):
-        self._writing(lambda: store.write_checkpoint(self.directory, update, groups, meta))
-
-    def _commit_sharded(self, staging, update, meta):
-        def commit():
-            self._sharded_writer.wait()
-            return store.commit_sharded(self.directory, staging, update,
-                                        self._saved_groups, meta)
-        self._writing(commit)
 
     def _writing(self, write):
         """Runs `write()` (which returns the checkpoint's folder), then prunes; an error

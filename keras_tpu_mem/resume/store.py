@@ -187,23 +187,17 @@ def staging_folder(directory: str, update: int, make: bool = True) -> str:
     when `make` (by one process of a job): a hidden `.partial-` folder locally (renamed
     into place at the commit), the checkpoint's own folder remotely (complete once
     `checkpoint.json` is in it)."""
-    name = _name(update)
-    if is_remote(directory):
-        folder = os.path.join(directory, name)
-        if not make:
-            return folder
-        # The same update saved again (a resumed run's epoch end): until its
-        # `checkpoint.json` is written again the folder reads as cut short.
+    remote = is_remote(directory)
+    folder = os.path.join(directory, _name(update) if remote else _PARTIAL + _name(update))
+    if make:
+        # Remotely, the same update saved again (a resumed run's epoch end) reads as cut
+        # short until its `checkpoint.json` is written again.
         _rmtree(folder)
-        _files().makedirs(folder)
-        return folder
-    partial = os.path.join(directory, f"{_PARTIAL}{name}")
-    if not make:
-        return partial
-    os.makedirs(directory, exist_ok=True)
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
-    return partial
+        if remote:
+            _files().makedirs(folder)
+        else:
+            os.makedirs(folder)  # and the directory, the first time
+    return folder
 
 
 def _commit(directory: str, staging: str, record: dict) -> str:
