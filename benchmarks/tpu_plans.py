@@ -26,6 +26,8 @@ Parts (`--parts`, default all):
              `ShardedDataParallel` layouts left to XLA:TPU's SPMD partitioner: per-chip
              totals and the collectives each optimized HLO holds.
 
+Every XLA:TPU compile reserves the headroom (`--headroom`, 10% as `plan`'s) of each
+chip's HBM: XLA:TPU schedules a step to the memory it is given.
 Host RSS is read before and after each part (peak resident memory of the process).
 What XLA:TPU's compile confirms: the program and its memory on that TPU (layouts,
 fusion, buffer assignment, the HBM it counts available). What it does not: speed, a
@@ -134,7 +136,8 @@ def _timed(fn):
 PER_CHIP = 8
 #: `--slices`: the slices the bert and decoder parts plan on (empty: each part's own).
 SLICES: tuple = ()
-#: The plans' headroom in the mlp parts (`--headroom`).
+#: The headroom reserved in every XLA:TPU compile (`--headroom`): the plans', and the
+#: bert and decoder parts' `compiled_memory(headroom=)`.
 HEADROOM = 0.10
 #: `--bert`: the (size, sequence) shapes the bert part compiles (empty: the part's own).
 BERT_SHAPES: tuple = ()
@@ -159,7 +162,7 @@ def _largest_per_chip(model, name: str, devices: int, at_per_chip,
     import keras_tpu_mem as ktm
 
     tpu = ktm.tpu_slice(name)
-    hbm = tpu.spec.hbm_bytes_per_chip * tpu.chips / tpu.devices
+    hbm = tpu.spec.hbm_bytes_per_chip * tpu.chips / tpu.devices * (1 - HEADROOM)
     state = at_per_chip.state_bytes
     per_sample = max(1.0, (at_per_chip.total_bytes - state) / per_chip)
     guess = max(1, int((hbm - state) // per_sample))
@@ -171,8 +174,8 @@ def _largest_per_chip(model, name: str, devices: int, at_per_chip,
         if b == per_chip:
             return not at_per_chip.refused
         compiles += 1
-        return not ktm.compiled_memory(model, b * devices, device=name,
-                                       hlo_text=False).refused
+        return not ktm.compiled_memory(model, b * devices, device=name, hlo_text=False,
+                                       headroom=HEADROOM).refused
 
     if fits(batch):
         while batch < 4096 and fits(batch * 2):
@@ -201,7 +204,7 @@ def part_bert(quick: bool) -> list[dict]:
             m, PER_CHIP, hlo_text=False))
         for name in slices:
             tpu, tpu_s = _timed(lambda m=model, n=name: ktm.compiled_memory(
-                m, PER_CHIP * 8, device=n, hlo_text=False))
+                m, PER_CHIP * 8, device=n, hlo_text=False, headroom=HEADROOM))
             largest, largest_compiles = None, 0
             if LARGEST and not quick:
                 largest, largest_compiles = _largest_per_chip(model, name, devices, tpu)
@@ -417,7 +420,8 @@ def main(argv=None) -> int:
                         help="small shapes (a smoke run, not the docs' table)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--headroom", type=float, default=0.10,
-                        help="the plans' headroom (mlp parts; default 0.10, plan's own)")
+                        help="the headroom reserved in every XLA:TPU compile (default 0.10, "
+                             "plan's own)")
     parser.add_argument("--slices", default="",
                         help="comma-separated slices for the bert and decoder parts")
     parser.add_argument("--bert", default="",

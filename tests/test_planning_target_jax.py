@@ -225,6 +225,13 @@ def test_bad_compiler_and_mesh_arguments_are_named():
         ktm.compiled_memory(model, 64, device="16GiB", compiler="tpu")
     with pytest.raises(TypeError, match="`mesh` must be None or a dict"):
         ktm.plan(model, 64, device="v5e-8", mesh=[4, 2])
+    # A headroom is reserved in XLA:TPU's compile: the host's compile takes none.
+    with pytest.raises(ValueError, match=r"`headroom` \(0.1\) reserves HBM in XLA:TPU"):
+        ktm.compiled_memory(model, 64, headroom=0.1)
+    with pytest.raises(ValueError, match=r"`headroom` must be in \[0, 1\)"):
+        ktm.compiled_memory(model, 64, device="v5e-8", headroom=1.0)
+    with pytest.raises(TypeError, match="`headroom` must be a float"):
+        ktm.compiled_memory(model, 64, device="v5e-8", headroom="10%")
 
 
 @pytest.fixture
@@ -306,7 +313,9 @@ def test_the_plans_headroom_is_reserved_in_xla_tpus_compile():
     `ShardedDataParallel()` on v5e-8 compiles to 1.70 GiB per chip against the whole
     chip, and to about 1.02 GiB with most of the chip reserved. A plan whose usable part
     (capacity less headroom) lies between the two fits: its compile reserved the
-    headroom, and XLA:TPU scheduled the step within the rest."""
+    headroom, and XLA:TPU scheduled the step within the rest. `compiled_memory` with
+    the same `headroom` compiles the same step to the same figure, which is what a
+    compile holds with libtpu's own flag set as the plan's note says."""
     with ktm.ShardedDataParallel(jax.devices()[:8]).scope():
         with shapes_only():
             model = _mlp(8192, 8)
@@ -314,6 +323,8 @@ def test_the_plans_headroom_is_reserved_in_xla_tpus_compile():
         capacity = ktm.plan(model, 256, device="v5e-8", by_layer=False,
                             headroom=0.0).capacity_bytes
         usable = int(0.8 * whole_chip.total_bytes)
+        reserving = ktm.compiled_memory(model, 256, device="v5e-8", hlo_text=False,
+                                        headroom=1 - usable / capacity)
         planned = ktm.plan(model, 256, device="v5e-8", by_layer=False,
                            headroom=1 - usable / capacity)
     assert planned.compiler.startswith("XLA:TPU")
@@ -321,6 +332,9 @@ def test_the_plans_headroom_is_reserved_in_xla_tpus_compile():
     assert planned.fits and planned.total_bytes <= planned.usable_bytes, str(planned)
     reserved = planned.capacity_bytes - planned.usable_bytes
     assert f'LIBTPU_INIT_ARGS="--xla_tpu_user_reserved_hbm_bytes={reserved}"' in str(planned)
+    assert reserving.reserved_bytes == reserved and whole_chip.reserved_bytes == 0
+    assert reserving.total_bytes == planned.total_bytes
+    assert "of each device's HBM reserved)" in str(reserving)
     # What the note tells a run to set: libtpu reads the same reserve from its flags, and
     # a compile that passes no option of its own then holds what the plan compiled.
     script = (
@@ -339,7 +353,7 @@ def test_the_plans_headroom_is_reserved_in_xla_tpus_compile():
     out = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert int(out.stdout.split()[-1]) == planned.total_bytes
+    assert int(out.stdout.split()[-1]) == planned.total_bytes == reserving.total_bytes
 
 
 @needs_libtpu

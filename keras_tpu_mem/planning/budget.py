@@ -29,6 +29,22 @@ class DeviceBudget:
     source: str
 
 
+def check_headroom(headroom) -> float:
+    """`headroom` as a float, checked: a fraction of capacity kept free, in [0, 1).
+
+    Raises:
+        TypeError: not a number.
+        ValueError: outside [0, 1).
+    """
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
+        raise TypeError(f"`headroom` must be a float in [0, 1), got {headroom!r}.")
+    if not 0.0 <= float(headroom) < 1.0:
+        raise ValueError(
+            f"`headroom` must be in [0, 1) (a fraction of capacity kept free), got {headroom}."
+        )
+    return float(headroom)
+
+
 def usable_bytes(capacity_bytes: int, headroom: float) -> int:
     """The bytes a plan may use of `capacity_bytes` once `headroom` (a fraction of
     it, kept free for what the plan does not model) is set aside. Every budget of a

@@ -30,6 +30,7 @@ from keras_tpu_mem.devices.units import dtype_bytes
 from keras_tpu_mem.engine.compile import compile_context
 from keras_tpu_mem.engine.core import Engine
 from keras_tpu_mem.engine.feature import Feature, in_step_order
+from keras_tpu_mem.planning.budget import check_headroom
 from keras_tpu_mem.planning.memory import CompiledMemory
 from keras_tpu_mem.planning.specs import (
     _check_model,
@@ -341,6 +342,7 @@ class Compiler:
             devices=stats["devices"],
             compiler=self.label or host_label(stats["platform"], stats["devices"]),
             refused=stats.get("refused", ""),
+            reserved_bytes=self.target.reserved_bytes if self.target is not None else 0,
             layer_source=(None if stats.get("refused") else
                           _LayerSource(self, xs, ys, features, description)),
         )
@@ -440,7 +442,8 @@ def check_callbacks(callbacks, what: str) -> tuple:
 def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_spec=None,
                     y_spec=None, sample_batch=None, hlo_text: bool = True,
                     per_replica_batch_size: int | None = None, device=None,
-                    compiler: str = "auto", mesh: dict | None = None) -> CompiledMemory:
+                    compiler: str = "auto", mesh: dict | None = None,
+                    headroom: float = 0.0) -> CompiledMemory:
     """Compiles the train step with XLA and returns its memory breakdown.
 
     Without `callbacks` the step is Keras' own `model.train_step` (forward,
@@ -490,6 +493,12 @@ def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_s
             `"host"`. `CompiledMemory.compiler` says which answered; a step XLA:TPU
             refuses as too large comes back with `refused` set (XLA's message).
         mesh: Axis sizes of the slice's mesh instead of the rule (see `plan`).
+        headroom: Fraction of each device's HBM XLA:TPU's compile leaves free, as
+            `plan`'s headroom is (0.0, default: the whole chip). XLA:TPU schedules a
+            step to the memory it is given, so a step that fits the chip may be
+            refused, or compile to a lower peak, with part of it reserved;
+            `CompiledMemory.reserved_bytes` says how much was. Only XLA:TPU's compile
+            takes one: with the host's compiler a non-zero headroom is a ValueError.
         per_replica_batch_size: Deprecated: the per-replica batch, the meaning
             `batch_size` had on TensorFlow before; use `batch_size` = this x the
             replicas.
@@ -534,9 +543,18 @@ def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_s
     if not isinstance(hlo_text, bool):
         raise TypeError(f"`hlo_text` must be True or False, got {hlo_text!r}.")
     features = check_callbacks(callbacks, "compiled_memory")
+    headroom = check_headroom(headroom)
     target, note = resolve_target(device, compiler, "compiled_memory", mesh)
     if note is not None:
         logger.info("compiled_memory: %s", note)
+    if headroom:
+        if target is None:
+            raise ValueError(
+                f"compiled_memory: `headroom` ({headroom}) reserves HBM in XLA:TPU's "
+                f"compile, and this step compiles with the host's XLA (device={device!r}, "
+                f"compiler={compiler!r}); pass a TPU `device` such as 'v5e-8' with libtpu "
+                "installed, or headroom=0.0.")
+        target = target.with_headroom(headroom)
     compiler = Compiler(model, x_spec, y_spec, sample_batch=sample_batch, target=target)
     with compiler.targeting():
         if per_replica_batch_size is not None:

@@ -174,7 +174,7 @@ def _check_args(global_batch_size, device, accumulation_steps, precision, headro
                 max_compile_batch, by_layer, mesh) -> dict:
     """The plan's arguments as JSON, checked where a wrong one is cheap to tell here."""
     from keras_tpu_mem.devices.tpu_slices import is_tpu_slice_name
-    from keras_tpu_mem.planning.budget import _normalise_precision
+    from keras_tpu_mem.planning.budget import _normalise_precision, check_headroom
     from keras_tpu_mem.planning.target import _check_mesh
 
     check_positive_int(global_batch_size, "global_batch_size")
@@ -182,10 +182,7 @@ def _check_args(global_batch_size, device, accumulation_steps, precision, headro
     if accumulation_steps is not None:
         check_positive_int(accumulation_steps, "accumulation_steps")
     _normalise_precision(precision)
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
-        raise TypeError(f"`headroom` must be a float in [0, 1), got {headroom!r}.")
-    if not 0.0 <= float(headroom) < 1.0:
-        raise ValueError(f"`headroom` must be in [0, 1), got {headroom}.")
+    check_headroom(headroom)
     for name, value in (("search", search), ("by_layer", by_layer)):
         if not isinstance(value, bool):
             raise TypeError(f"`{name}` must be True or False, got {value!r}.")

@@ -66,6 +66,8 @@ class CompiledMemory:
             does not fit the device (XLA:TPU's RESOURCE_EXHAUSTED), else `""`. The
             byte counts are then the state and batch as laid out and, as
             temporaries, the rest of the total XLA said the step required.
+        reserved_bytes: HBM per device XLA:TPU's compile left free (a headroom:
+            `compiled_memory(headroom=)`, a plan's); 0 for the whole chip or the host.
     """
 
     batch_size: int
@@ -88,6 +90,7 @@ class CompiledMemory:
     replicas: int = 1
     compiler: str = ""
     refused: str = ""
+    reserved_bytes: int = 0
     # Recompiles the same step with XLA's buffer assignment written out (set by the
     # Compiler; None on a CompiledMemory built by hand).
     layer_source: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -165,8 +168,10 @@ class CompiledMemory:
             batch = f"{compiled.table_scope()} batch {self.batch_size}"
         else:
             batch = f"batch {self.batch_size}"
+        reserved = (f"; {fb(self.reserved_bytes)} of each device's HBM reserved"
+                    if self.reserved_bytes else "")
         head = (f"XLA buffer assignment of {step}, {batch} "
-                f"({self.compiler or self.platform + ' compile'})")
+                f"({self.compiler or self.platform + ' compile'}{reserved})")
         lines = [head]
         if self.refused:
             lines.append(f"  refused by XLA: {self.refused}")

@@ -16,6 +16,7 @@ from keras_tpu_mem.planning.budget import (
     ActivationModel,
     DeviceBudget,
     _normalise_precision,
+    check_headroom,
     divisors,
     largest_batch,
     model_precision,
@@ -74,12 +75,7 @@ def _bf16_estimate(act: ActivationModel, trainable_bytes: int) -> ActivationMode
 
 def _validate_plan_args(global_batch_size, headroom, accumulation_steps, compile_batches):
     check_positive_int(global_batch_size, "global_batch_size")
-    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
-        raise TypeError(f"`headroom` must be a float in [0, 1), got {headroom!r}.")
-    if not 0.0 <= float(headroom) < 1.0:
-        raise ValueError(
-            f"`headroom` must be in [0, 1) (a fraction of capacity kept free), got {headroom}."
-        )
+    check_headroom(headroom)
     if accumulation_steps is not None:
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
             raise TypeError(
