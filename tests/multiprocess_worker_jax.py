@@ -63,6 +63,9 @@ def _resume(out: str, case: str) -> None:
     kill_at = os.environ.get("KTM_KILL_AT")
     model, callbacks, _ = resume_cases.train(
         case, directory, stop_at=None if kill_at is None else int(kill_at), kill=True)
+    resumed = [c.resumed_from for c in callbacks if hasattr(c, "resumed_from")]
+    if resumed and resumed[0] is not None:  # read by the test from this process's log
+        print(f"resumed from update {resumed[0].update}", flush=True)
     arrays = resume_cases.state_arrays(
         model, callbacks, lambda value: np.asarray(multihost_utils.process_allgather(
             value, tiled=True)))

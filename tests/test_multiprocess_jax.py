@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -69,7 +70,7 @@ def _cluster(tmp_path, num_processes, devices, features="accumulation", env_extr
         return None
     for i, process in enumerate(processes):
         if process.returncode != 0:
-            text = (tmp_path / f"p{num_processes}_{i}.log").read_text()[-3000:]
+            text = _log(tmp_path, i, num_processes)[-3000:]
             pytest.fail(f"process {i} of {num_processes} failed:\n{text}")
     results = []
     for out in outs:
@@ -78,6 +79,10 @@ def _cluster(tmp_path, num_processes, devices, features="accumulation", env_extr
                             "iterations": int(data["iterations"]),
                             "devices": int(data["devices"])})
     return results
+
+
+def _log(folder, process: int, num_processes: int = 2) -> str:
+    return (folder / f"p{num_processes}_{process}.log").read_text()
 
 
 def _max_diff(a, b):
@@ -143,9 +148,27 @@ def test_two_processes_each_killed_resume_bit_exact(tmp_path, features, arrays_i
     assert saved and max(i.update for i in saved) >= 10 and max(i.update for i in saved) < 17, \
         [i.update for i in saved]
     assert all(os.path.exists(os.path.join(info.path, arrays_in)) for info in saved)
+    split = arrays_in == "state.bin" and importlib.util.find_spec("orbax") is not None
+    if split:  # a copy, before the restart below saves on into `directory`
+        shutil.copytree(directory, tmp_path / "checkpoints_split")
     got = _cluster(tmp_path / "restarted", 2, 2, features, {"KTM_RESUME_DIR": directory})
+    # Each process resumed (a run from the start would end on the same bits).
+    resumed_from = f"resumed from update {max(i.update for i in saved)}"
+    assert all(resumed_from in _log(tmp_path / "restarted", i) for i in range(2))
     for result in got:
         assert result["iterations"] == want[0]["iterations"] == 30
         assert len(result["weights"]) == len(want[0]["weights"])
         assert _max_diff(result["weights"], want[0]["weights"]) == 0.0
     assert _max_diff(want[0]["weights"], want[1]["weights"]) == 0.0
+    if split:
+        resharded = _cluster(tmp_path / "restarted_split", 2, 2, "resume_fsdp",
+                             {"KTM_RESUME_DIR": str(tmp_path / "checkpoints_split")})
+        assert all(resumed_from in _log(tmp_path / "restarted_split", i) for i in range(2))
+        # It saved on with the state split over the processes: through Orbax.
+        newest = max(store.list_checkpoints(str(tmp_path / "checkpoints_split")),
+                     key=lambda info: info.update)
+        assert newest.update == 30 and os.path.isdir(os.path.join(newest.path, "state.orbax"))
+        for result in resharded:
+            assert result["iterations"] == 30
+            assert len(result["weights"]) == len(want[0]["weights"])
+            assert _max_diff(result["weights"], want[0]["weights"]) <= 1e-6
