@@ -24,7 +24,9 @@ JAX_CASES = ("dp8", "fsdp8")
 #: The cases fit under a `keras.distribution` (JAX), also `cluster`: `DataParallel` over
 #: a `jax.distributed` job's devices, and `cluster_fsdp`: `ShardedDataParallel` over them
 #: (the state split over the processes; tests/multiprocess_worker_jax.py).
-_KERAS_DISTRIBUTION_CASES = (*JAX_CASES, "cluster", "cluster_fsdp")
+#: `fsdp4`: `ShardedDataParallel` over 4 of the 8 devices (a restart on another device
+#: count).
+_KERAS_DISTRIBUTION_CASES = (*JAX_CASES, "fsdp4", "cluster", "cluster_fsdp")
 TENSORFLOW_CASES = ("mirrored", "jit")
 
 
@@ -40,14 +42,14 @@ def _distribution(case):
 
         return keras.distribution.DataParallel(devices=jax.devices(),
                                                auto_shard_dataset=False).scope()
-    if case in ("fsdp8", "cluster_fsdp"):
+    if case in ("fsdp8", "fsdp4", "cluster_fsdp"):
         import jax
 
         from keras_tpu_mem.sharding import ShardedDataParallel
 
         if case == "cluster_fsdp":  # every device of a jax.distributed job, as `cluster`
             return ShardedDataParallel(devices=jax.devices(), auto_shard_dataset=False).scope()
-        return ShardedDataParallel(devices=jax.devices()[:8]).scope()
+        return ShardedDataParallel(devices=jax.devices()[:4 if case == "fsdp4" else 8]).scope()
     if case == "mirrored":
         from keras_tpu_mem import TPUStrategyWrapper
 

@@ -136,6 +136,30 @@ def test_orbax_checkpoints_resume_bit_exact_and_a_damaged_one_is_skipped(tmp_pat
                                    rtol=0, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.slow
+@NEEDS_ORBAX
+def test_an_orbax_checkpoint_resumes_on_another_device_count(tmp_path):
+    """Saved split over 8 devices through Orbax, resumed under `ShardedDataParallel`
+    over 4: Orbax reads each array into the 4-device layout. A run over 4 devices sums
+    its gradients in another order than one over 8 (0.016 apart after 30 updates
+    here), so the reference is the same update read whole: a `state.bin` checkpoint the
+    same run saved at the same update, resumed under the same 4 devices (within 1e-6)."""
+    resumed = {}
+    for name, orbax in (("orbax", True), ("state.bin", False)):
+        directory = str(tmp_path / name)
+        with pytest.raises(RuntimeError, match="preempted"):
+            resume_cases.train("fsdp8", directory, stop_at=17, asynchronous=False,
+                               orbax=orbax)
+        model, callbacks, _ = resume_cases.train("fsdp4", directory, asynchronous=False,
+                                                 orbax=orbax)
+        assert callbacks[-1].resumed_from.update == 15
+        assert model.weights[0].value.sharding.num_devices == 4
+        resumed[name] = resume_cases.state_arrays(model, callbacks)
+    for key, want in resumed["state.bin"].items():
+        np.testing.assert_allclose(resumed["orbax"][key].astype("float64"),
+                                   want.astype("float64"), rtol=0, atol=1e-6, err_msg=key)
+
+
 def test_a_remote_directory_no_file_system_writes_is_refused_up_front():
     """On JAX remote paths go through fsspec: a scheme it does not know is refused when
     the callback is made, naming it (TensorFlow's file systems answer at the first
