@@ -114,6 +114,17 @@ def test_compiled_memory_rejects_bad_batch(batch, error):
         compiled_memory(digits_mlp(), batch)
 
 
+def test_a_headroom_needs_xla_tpus_compile():
+    """`headroom=` reserves HBM in XLA:TPU's compile: TensorFlow's compile is the host's
+    (XLA:TPU plans come from plan(compiler='tpu')), so a headroom is refused by name,
+    also with a TPU `device`, rather than dropped (the JAX side: test_planning_target_jax)."""
+    model = digits_mlp()
+    for device in (None, "v5e-8"):
+        with pytest.raises(ValueError, match=r"`headroom` \(0.1\) reserves HBM in XLA:TPU"):
+            compiled_memory(model, 8, device=device, headroom=0.1)
+    assert compiled_memory(model, 8, headroom=0.0).reserved_bytes == 0
+
+
 def test_uncompiled_model_is_a_clear_error():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="compile the model first"):
