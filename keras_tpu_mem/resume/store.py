@@ -208,7 +208,9 @@ def _commit(directory: str, staging: str, record: dict) -> str:
             handle.write(json.dumps(record))
         return staging
     with open(os.path.join(staging, _META), "w") as handle:
-        json.dump(record, handle)
+        # json.dumps, not json.dump: dump encodes in Python (holding the GIL the
+        # training thread needs), dumps in C.
+        handle.write(json.dumps(record))
         handle.flush()
         os.fsync(handle.fileno())
     final = os.path.join(directory, _name(record["update"]))
