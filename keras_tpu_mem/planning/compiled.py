@@ -197,6 +197,12 @@ class Compiler:
         return self.target.label if self.target is not None else ""
 
     @property
+    def reserved_bytes(self) -> int:
+        """HBM per device XLA:TPU's compiles leave free (`CompileTarget.reserved_bytes`);
+        0 on the host."""
+        return self.target.reserved_bytes if self.target is not None else 0
+
+    @property
     def model(self):
         """The model compiled: the user's, or a host copy of a distributed one."""
         if self._model is None:
@@ -269,10 +275,9 @@ class Compiler:
             return {}
 
     def _key(self, xs, ys, features, keras_step) -> tuple:
-        # XLA:TPU's peak depends on the HBM it may use (`CompileTarget.reserved_bytes`).
-        reserved = self.target.reserved_bytes if self.target is not None else 0
+        # XLA:TPU's peak depends on the HBM it may use.
         return (_state_key(self.user_model, xs, ys, features), self.backend.cache_scope(),
-                keras_step, reserved)
+                keras_step, self.reserved_bytes)
 
     def compile_global(self, global_batch: int, features=(),
                        hlo_text: bool = False, keras_step: bool | None = None,
@@ -342,7 +347,7 @@ class Compiler:
             devices=stats["devices"],
             compiler=self.label or host_label(stats["platform"], stats["devices"]),
             refused=stats.get("refused", ""),
-            reserved_bytes=self.target.reserved_bytes if self.target is not None else 0,
+            reserved_bytes=self.reserved_bytes,
             layer_source=(None if stats.get("refused") else
                           _LayerSource(self, xs, ys, features, description)),
         )
