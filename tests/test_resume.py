@@ -450,6 +450,26 @@ def test_a_failed_write_is_raised_on_the_training_thread(tmp_path, monkeypatch, 
     assert [info.update for info in ktm.list_checkpoints(str(tmp_path))] == [2]
 
 
+def test_a_fit_resumed_at_its_end_runs_nothing_and_the_next_fit_trains(tmp_path):
+    # The resumed fit makes no call of the train function: its first-batch observer
+    # (which refuses another global batch) must not reach the next fit's first step.
+    x, y = _xy()
+    model, reference = _small_model(), _small_model()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[ktm.ResumableCheckpoint(str(tmp_path / "a"), every=3)])
+    reference.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    resumed = ktm.ResumableCheckpoint(str(tmp_path / "a"), every=3)
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[resumed])
+    assert resumed.resumed_from.update == 8 and history.history == {}
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+              callbacks=[ktm.ResumableCheckpoint(str(tmp_path / "b"), every=3)])
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert int(np.asarray(model.optimizer.iterations)) == 12
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 def test_a_different_global_batch_is_refused_and_the_model_left_as_it_was(tmp_path):
     x, y = _xy()
     _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,

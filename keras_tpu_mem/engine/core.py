@@ -251,6 +251,13 @@ class Engine:
             # watch the one this fit will call.
             self.model.train_function = _FirstCallObserver(self, current)
 
+    def unobserve(self, fn: Callable) -> None:
+        """Withdraws `fn` (`observe`) if it has not been called: a fit that ran no
+        step (resumed at its end, or one that raised before it) must not hand its
+        observer to the next fit's first batch."""
+        while fn in self._observers:
+            self._observers.remove(fn)
+
     # ------------------------------------------------------------ resuming
     def start_skipping(self) -> None:
         """Lets this fit skip calls (`skip_next_call`): a run resumed mid-epoch reads the
@@ -327,7 +334,10 @@ class Engine:
             if model.__dict__.get("train_function") is not None and isinstance(
                     model.__dict__["train_function"], _FirstCallObserver):
                 model.train_function = model.__dict__["train_function"].inner
-            return type(model).make_train_function(model, force=force)
+            # Keras' JAX trainer returns None (it sets the attribute); TensorFlow's
+            # returns the function: read what it set, as the first-call observer wraps it.
+            type(model).make_train_function(model, force=force)
+            return model.train_function
         self.features = features
         self._window_position = 0
         train_function, loss = model.__dict__.get("train_function"), getattr(model, "loss", None)

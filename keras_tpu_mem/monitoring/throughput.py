@@ -254,6 +254,11 @@ class ThroughputMonitor(_MonitorBase):
 
     @_never_raise
     def on_train_end(self, logs=None):
+        from keras_tpu_mem.engine import Engine
+
+        engine = Engine.of(self.model)
+        if engine is not None:  # a fit that ran no step did not call it
+            engine.unobserve(self._observed)
         steps, seconds = self._fit
         summary = {
             "batch_size": self._batch,

@@ -356,6 +356,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._batches = 0  # batches run since `_base_update` was read
         self._last_begin = None
         self._global_batch = None
+        self._engine.unobserve(self._first_batch)  # from a fit of it that ran no step
         observe_first_batch(model, self._first_batch)
 
     def _writes_sharded(self, readable) -> bool:
@@ -566,6 +567,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._save(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
+        # A fit that ran no step (resumed at its end) did not call it: the next fit's
+        # first batch is not this fit's.
+        self._engine.unobserve(self._first_batch)
         self._engine.stop_skipping()
         self._skipping = False
         if self.resumed_from is not None:
