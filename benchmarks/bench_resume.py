@@ -17,6 +17,12 @@ sequences) 8 times, so an epoch is 1,120 and 64 updates.
                  through Orbax, as the processes of a pod whose state is split
                  over them write (asynchronous; needs orbax-checkpoint). Not in
                  the default set: `--configs none,async/20,orbax/20`.
+* `write:...`    where an asynchronous save's cost goes: `every=20` with the
+                 writer thread's work replaced by `nothing` (the save's part on
+                 the training thread alone), a 4 ms `sleep` (no CPU), 2 MB of
+                 SHA-256 (`hash`: CPU without the interpreter lock) or 1.5 ms of
+                 Python (`python`: CPU holding the lock). Not in the default set:
+                 `--configs none,async/20,write:nothing,write:sleep,...`.
 
 Every configuration fits one warm-up epoch; then they take turns, one epoch
 each, for `--rounds` rounds (the first of each round rotating); each round's
@@ -44,11 +50,42 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = ("none", "async/20", "sync/20", "async/100")
-ALL_CONFIGS = (*CONFIGS, "orbax/20")
+#: The writer thread's work in the `write:` probes, in place of the checkpoint's write.
+PROBES = {"nothing": "nothing written", "sleep": "a 4 ms sleep",
+          "hash": "2 MB of SHA-256 (the lock released)",
+          "python": "1.5 ms of Python (the lock held)"}
+ALL_CONFIGS = (*CONFIGS, "orbax/20", *(f"write:{probe}" for probe in PROBES))
 LABELS = {"none": "none", "async/20": "`ResumableCheckpoint(every=20)`",
           "sync/20": "`ResumableCheckpoint(every=20, asynchronous=False)`",
           "async/100": "`ResumableCheckpoint(every=100)`",
-          "orbax/20": "`ResumableCheckpoint(every=20, orbax=True)`"}
+          "orbax/20": "`ResumableCheckpoint(every=20, orbax=True)`",
+          **{f"write:{probe}": f"`every=20`, the writer's work replaced by {label}"
+             for probe, label in PROBES.items()}}
+
+
+def _probe_writer(probe: str, directory: str):
+    """A stand-in for `store.write_checkpoint` doing the `probe`'s kind of work."""
+    import hashlib
+
+    import numpy as np
+
+    data = np.zeros(1 << 20, np.uint8)
+
+    def work():
+        if probe == "sleep":
+            time.sleep(0.004)
+        elif probe == "hash":
+            hashlib.sha256(data).digest()
+            hashlib.sha256(data).digest()
+        elif probe == "python":
+            end = time.thread_time() + 0.0015
+            while time.thread_time() < end:
+                pass
+
+    def write(*args, **kwargs):
+        work()
+        return directory
+    return write
 BATCH = {"digits": 32, "encoder": 64}
 #: The data tiled this many times: epochs long enough that the epoch-end save and the
 #: wait for the last write at the fit's end weigh as little as in a real epoch.
@@ -96,6 +133,7 @@ def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
     import keras
 
     from keras_tpu_mem import ResumableCheckpoint
+    from keras_tpu_mem.resume import store
 
     distribution = keras.distribution.DataParallel() if name == "encoder" else None
     scope = distribution.scope if distribution is not None else contextlib.nullcontext
@@ -113,15 +151,23 @@ def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
         for config in order:
             model, x, y = runs[config]
             directory = os.path.join(root, name, config.replace("/", "_"), str(r))
+            probe = config[len("write:"):] if config.startswith("write:") else None
             callbacks = [] if config == "none" else [ResumableCheckpoint(
-                directory, every=int(config.split("/")[1]),
+                directory, every=20 if probe else int(config.split("/")[1]),
                 asynchronous=not config.startswith("sync"),
                 orbax=True if config.startswith("orbax") else None)]
-            with scope():
-                start = time.perf_counter()
-                model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
-                          callbacks=callbacks)
-                results[config]["times"].append(1000 * (time.perf_counter() - start) / steps)
+            write = store.write_checkpoint
+            if probe:
+                store.write_checkpoint = _probe_writer(probe, directory)
+            try:
+                with scope():
+                    start = time.perf_counter()
+                    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                              callbacks=callbacks)
+                    results[config]["times"].append(
+                        1000 * (time.perf_counter() - start) / steps)
+            finally:
+                store.write_checkpoint = write
             shutil.rmtree(directory, ignore_errors=True)
     for row in results.values():
         row["ms_per_step"] = statistics.median(row["times"])

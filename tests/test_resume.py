@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import zlib
 
 import keras
 import numpy as np
@@ -134,12 +135,30 @@ def test_arrays_come_back_with_their_dtype_and_shape(tmp_path):
     # array's bytes at its 64-byte aligned offset.
     with open(os.path.join(path, "state.bin"), "rb") as handle:
         written = handle.read()
-    assert record["sha256"] == hashlib.sha256(written).hexdigest()
+    assert record["crc32"] == zlib.crc32(written) and record["format"] == 3
     assert record["size_bytes"] == len(written)
     for entry, (_, want) in zip(record["arrays"]["g"], values):
         assert entry["offset"] % 64 == 0
         raw = np.ascontiguousarray(want).tobytes()
         assert written[entry["offset"]:entry["offset"] + len(raw)] == raw
+
+
+def test_a_checkpoint_of_the_second_format_is_checked_against_its_sha256(tmp_path, caplog):
+    """Format 2 recorded a SHA-256 of `state.bin` (format 3: a CRC-32)."""
+    arrays = {"g": [("w", np.arange(6, dtype="float32").reshape(2, 3))]}
+    for update in (4, 8):
+        path = store.write_checkpoint(str(tmp_path), update, arrays, {"epoch": 0, "batch": 0})
+        with open(os.path.join(path, "state.bin"), "rb") as handle:
+            digest = hashlib.sha256(handle.read()).hexdigest()
+        record = json.load(open(os.path.join(path, "checkpoint.json")))
+        del record["crc32"]
+        record.update(format=2, sha256=digest if update == 4 else "0" * 64)
+        with open(os.path.join(path, "checkpoint.json"), "w") as handle:
+            json.dump(record, handle)
+    with caplog.at_level(logging.WARNING, logger="keras_tpu_mem"):
+        info, groups = store.latest_complete(str(tmp_path))
+    assert info.update == 4 and "update-000000008" in caplog.text and "SHA-256" in caplog.text
+    np.testing.assert_array_equal(groups["g"][0][1], arrays["g"][0][1])
 
 
 def test_a_checkpoint_of_the_first_format_still_reads_back(tmp_path):
@@ -376,6 +395,13 @@ def test_keeps_the_newest_checkpoints_and_saves_at_update_boundaries(tmp_path):
     # Saves at updates 3, 6, the epoch end (8), 11, 14 and the epoch end (16); the
     # newest three are kept.
     assert found == [(11, 1, 3), (14, 1, 6), (16, 2, 0)]
+    # A save cut short earlier is pruned; what is not a checkpoint is left alone.
+    os.makedirs(tmp_path / ".partial-update-000000017")
+    (tmp_path / "notes.txt").write_text("mine")
+    model.fit(x, y, batch_size=8, epochs=3, initial_epoch=2, shuffle=False, verbose=0,
+              callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3, keep=3)])
+    assert sorted(os.listdir(tmp_path)) == [
+        "notes.txt", "update-000000019", "update-000000022", "update-000000024"]
 
 
 def test_a_features_state_is_read_and_written_whole_once_per_save_and_restore(

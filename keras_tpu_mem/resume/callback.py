@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import os
 import time
@@ -323,15 +324,25 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             seen.update(id(v) for v in groups[name])
         return groups
 
-    def _updates_made(self, model) -> int:
-        """`optimizer.iterations`, read as the state is (also in a multi-process job)."""
-        return int(self._engine.backend_step.state_values([model.optimizer.iterations])[0])
+    def _updates_made(self, model, groups: dict | None = None) -> int:
+        """`optimizer.iterations`, read as the state is (also in a multi-process job), or
+        taken from `groups` (`_read_groups`) where they hold it."""
+        iterations = model.optimizer.iterations
+        if groups is not None:
+            for variable, (_, value) in zip(self._saved_groups[_OPTIMIZER],
+                                            groups[_OPTIMIZER]):
+                if variable is iterations:
+                    return int(value)
+        return int(self._engine.backend_step.state_values([iterations])[0])
 
-    def _values(self, group) -> list:
-        # Not through `self.model`: on JAX each read of that property syncs Keras' state.
-        group = _readable(group)
-        values = self._engine.backend_step.state_values(group)
-        return [(v.path, value) for v, value in zip(group, values)]
+    def _read_groups(self, groups: dict[str, list]) -> dict[str, list]:
+        """Group name -> `(path, numpy value)` of each of its variables now, from one
+        read of them all."""
+        readable = {name: _readable(group) for name, group in groups.items()}
+        values = iter(self._engine.backend_step.state_values(
+            [variable for group in readable.values() for variable in group]))
+        return {name: [(variable.path, next(values)) for variable in group]
+                for name, group in readable.items()}
 
     # ------------------------------------------------------------ restore
     def on_train_begin(self, logs=None):
@@ -423,18 +434,20 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             raise ValueError(f"{info.path} holds no state for {missing}: this fit has "
                              "callbacks the saved run did not. Resume with the same ones.")
 
-    def _kept(self, group):
-        """The group's values now, kept in host memory (this process's shards of split
-        values), as a function giving them back for `_assign`."""
+    def _kept(self, groups: dict[str, list]) -> dict:
+        """The groups' values now, kept in host memory (this process's shards of split
+        values): group name -> a function giving them back for `_assign`."""
         if self._sharded:
             sharded = backends.current("ResumableCheckpoint").sharded_checkpoint
-            copies = sharded.to_host(_live_values(group))
-            return lambda: sharded.from_host(copies)
-        values = [value for _, value in self._values(group)]
-        return lambda: values
+            copies = {name: sharded.to_host(_live_values(group))
+                      for name, group in groups.items()}
+            return {name: functools.partial(sharded.from_host, kept)
+                    for name, kept in copies.items()}
+        return {name: functools.partial(list, [value for _, value in pairs])
+                for name, pairs in self._read_groups(groups).items()}
 
     def _restore(self, model, groups, info, saved):
-        before = {name: self._kept(groups[name]) for name in saved if name != _METRICS}
+        before = self._kept({name: groups[name] for name in saved if name != _METRICS})
         for name, pairs in saved.items():
             if name == _METRICS:
                 continue  # at the resumed epoch's start, after Keras resets them
@@ -595,12 +608,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     def _save(self, epoch: int, batch: int) -> None:
         model = self.model  # on JAX the property syncs the training state into the variables
-        update = self._updates_made(model)
-        self._last_saved = self._base_update = update
         self._batches = 0
         writes = self._engine.backend_step.writes_checkpoints()
-        if not writes and not self._sharded:
-            return  # another process of the job writes the same (replicated) state
+        if self._sharded or not writes:
+            update = self._updates_made(model)
+            self._last_saved = self._base_update = update
+            if not writes and not self._sharded:
+                return  # another process of the job writes the same (replicated) state
         if self._saved_groups is None:
             # Made once a step has run: Keras and the TensorFlow engine make the
             # optimizer's, the metrics' and the features' variables in the first one.
@@ -612,7 +626,12 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if self._sharded:
             self._save_sharded(update, meta, writes)
             return
-        groups = {name: self._values(group) for name, group in self._saved_groups.items()}
+        # Everything is prepared before this read, which waits for the steps in flight
+        # (the device runs them meanwhile): after it, the device idles until the next
+        # step is dispatched, so little is left to do here.
+        groups = self._read_groups(self._saved_groups)
+        update = self._updates_made(model, groups)
+        self._last_saved = self._base_update = update
         self._wait()
         self._raise_write_error()
         self._run_write(lambda: store.write_checkpoint(self.directory, update, groups, meta))

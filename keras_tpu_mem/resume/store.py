@@ -3,9 +3,12 @@
 Each checkpoint is one folder, `update-000000120/`, holding `state.bin` (every
 array's raw bytes, one after another at 64-byte aligned offsets) and
 `checkpoint.json` (where the run was: epoch, batch, update; each array's group,
-path, shape, dtype and offset; the SHA-256 of `state.bin`, computed as it is
+path, shape, dtype and offset; the CRC-32 of `state.bin`, computed as it is
 written). A save is a few large writes the interpreter lock is released for, so
-an asynchronous save's writer thread takes little from the training loop.
+an asynchronous save's writer thread takes little from the training loop. The
+checksum finds a damaged or truncated file, as TensorFlow's checkpoints' CRC-32C
+does, at less than half a SHA-256's CPU time (docs/resume.md); format 2's SHA-256
+is still checked where a checkpoint records one.
 A checkpoint is written into a hidden `.partial-update-…` folder and renamed
 into place once both files are on disk, so a process killed mid-save leaves a
 partial folder that no reader takes for a checkpoint; a folder whose files do
@@ -43,14 +46,15 @@ import os
 import shutil
 import tempfile
 import time
+import zlib
 
 import numpy as np
 
 from keras_tpu_mem._utils import logger
 
 #: Bumped when the layout of a checkpoint folder changes (1: the arrays in `state.npz`,
-#: still read; 2: in `state.bin`).
-FORMAT_VERSION = 2
+#: still read; 2: in `state.bin` with its SHA-256, still read; 3: with its CRC-32).
+FORMAT_VERSION = 3
 _PREFIX = "update-"
 _PARTIAL = ".partial-"
 _META = "checkpoint.json"
@@ -147,18 +151,18 @@ def _rmtree(path: str) -> None:
 
 def _save_state(path: str, arrays: list) -> tuple[int, str]:
     """Writes `arrays` (`(offset, 1-D uint8 array)` in offset order) into one file at
-    `path`, zeros between them, synced; returns its `(size, SHA-256)`, hashed as it is
+    `path`, zeros between them, synced; returns its `(size, CRC-32)`, computed as it is
     written (nothing is read back)."""
-    digest, size = hashlib.sha256(), 0
+    crc, size = 0, 0
     with open(path, "wb") as handle:
         for offset, data in arrays:
             for chunk in (bytes(offset - size), memoryview(data)):
-                digest.update(chunk)
+                crc = zlib.crc32(chunk, crc)
                 handle.write(chunk)
             size = offset + data.nbytes
         handle.flush()
         os.fsync(handle.fileno())
-    return size, digest.hexdigest()
+    return size, crc
 
 
 def _open(path: str, mode: str):
@@ -266,10 +270,10 @@ def commit_sharded(directory: str, staging: str, update: int, groups: dict[str, 
     return _commit(directory, staging, record)
 
 
-def _record(meta: dict, update: int, written: tuple[int, str | None], entries: dict) -> dict:
-    size, sha256 = written
+def _record(meta: dict, update: int, written: tuple[int, int | None], entries: dict) -> dict:
+    size, crc32 = written
     return dict(meta, format=FORMAT_VERSION, update=int(update), saved_at=time.time(),
-                size_bytes=size, sha256=sha256, arrays=entries)
+                size_bytes=size, crc32=crc32, arrays=entries)
 
 
 def _flat_arrays(groups: dict[str, list]) -> tuple[list, dict]:
@@ -334,8 +338,13 @@ def read_arrays(info: CheckpointInfo, like: dict[str, list] | None = None) -> di
     with _open(state, "rb") as handle:
         for chunk in _chunks(handle):
             data += chunk
-    if hashlib.sha256(data).hexdigest() != info.meta.get("sha256"):
-        raise CorruptCheckpoint(f"{info.path}: {name} does not match its SHA-256 in {_META}")
+    if "crc32" in info.meta:
+        matches, checksum = zlib.crc32(data) == info.meta["crc32"], "CRC-32"
+    else:  # formats 1 and 2
+        matches = hashlib.sha256(data).hexdigest() == info.meta.get("sha256")
+        checksum = "SHA-256"
+    if not matches:
+        raise CorruptCheckpoint(f"{info.path}: {name} does not match its {checksum} in {_META}")
     if info.meta.get("format") == 1:  # an earlier build's .npz
         with np.load(io.BytesIO(data)) as stored:
             def stored_bytes(group, index, entry):
@@ -475,9 +484,22 @@ def latest_complete(directory: str, check=None,
 
 def prune(directory: str, keep: int) -> None:
     """Deletes all but the `keep` newest complete checkpoints, and partial folders (none
-    is being written: saves and prunes take turns)."""
-    found, _, cut_short = _scan(directory)
+    is being written: saves and prunes take turns).
+
+    Locally a folder is complete once renamed into place, so its name says it: no
+    `checkpoint.json` is read (this runs after every save, on the writer thread, and
+    Python work there holds the interpreter lock the training loop needs)."""
+    if is_remote(directory):
+        found, _, cut_short = _scan(directory)
+        complete = [info.path for info in found]
+    else:
+        names = os.listdir(directory) if os.path.isdir(directory) else []
+        cut_short = [os.path.join(directory, name) for name in names
+                     if name.startswith(_PARTIAL)]
+        updates = sorted(int(name[len(_PREFIX):]) for name in names
+                         if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit())
+        complete = [os.path.join(directory, _name(update)) for update in updates]
     for path in cut_short:
         _rmtree(path)
-    for info in found[:-keep]:
-        _rmtree(info.path)
+    for path in complete[:-keep]:
+        _rmtree(path)
