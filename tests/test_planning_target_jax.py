@@ -278,6 +278,17 @@ def test_batch_size_sweep_on_a_slice_compiles_each_batch_and_stops_where_xla_tpu
     assert first.memory_source == "XLA:TPU compile" and first.samples_per_sec is None
     assert refused.status == "oom" and "RESOURCE_EXHAUSTED" in refused.error
     assert result.largest_fitting == 1024 and result.skipped == (8 * 2**18,)
+    # With a headroom (as plan's), each compile reserves it: the sweep stops at the first
+    # batch over what is left, which XLA:TPU compiles all the same (it fits the chip).
+    kept = ktm.batch_size_sweep(build, None, [1024, 2048], device="v5e-8", verbose=0,
+                                headroom=0.99)
+    over = kept.rows[0]
+    assert over.status == "oom" and kept.largest_fitting is None and kept.skipped == (2048,)
+    reserving = ktm.compiled_memory(model, 1024, device="v5e-8", hlo_text=False,
+                                    headroom=0.99)
+    assert over.peak_bytes == reserving.total_bytes and not reserving.fits_reserve
+    assert reserving.total_bytes > reserving.capacity_bytes - reserving.reserved_bytes > 0
+    assert "the headroom (0.99) leaves of" in over.error
     with pytest.raises(ValueError, match="dataset_fn=None"):
         ktm.batch_size_sweep(build, lambda b: None, sizes, device="v5e-8")
 
@@ -334,6 +345,7 @@ def test_the_plans_headroom_is_reserved_in_xla_tpus_compile():
     assert f'LIBTPU_INIT_ARGS="--xla_tpu_user_reserved_hbm_bytes={reserved}"' in str(planned)
     assert reserving.reserved_bytes == reserved and whole_chip.reserved_bytes == 0
     assert reserving.total_bytes == planned.total_bytes
+    assert reserving.capacity_bytes == planned.capacity_bytes and reserving.fits_reserve
     assert "of each device's HBM reserved)" in str(reserving)
     # What the note tells a run to set: libtpu reads the same reserve from its flags, and
     # a compile that passes no option of its own then holds what the plan compiled.

@@ -75,6 +75,15 @@ def test_sweep_rejects_bad_arguments(args, error, words):
         batch_size_sweep(lambda: None, lambda b: None, [8], steps=1)
 
 
+def test_sweep_refuses_a_headroom_without_a_device():
+    """A headroom is left free in a compile for `device=`; a sweep that trains here
+    measures what the run holds, so it is refused there rather than ignored."""
+    with pytest.raises(ValueError, match=r"headroom=0\.1.*device="):
+        batch_size_sweep(lambda: None, lambda b: None, [8], headroom=0.1)
+    with pytest.raises(TypeError, match="headroom"):
+        batch_size_sweep(lambda: None, lambda b: None, [8], headroom="10%")
+
+
 def test_sweep_rejects_a_non_dataset(digits):
     (x, y), _ = digits
     with pytest.raises(TypeError, match="tf.data.Dataset"):

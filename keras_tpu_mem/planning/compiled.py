@@ -348,6 +348,7 @@ class Compiler:
             compiler=self.label or host_label(stats["platform"], stats["devices"]),
             refused=stats.get("refused", ""),
             reserved_bytes=self.reserved_bytes,
+            capacity_bytes=self.target.capacity_bytes if self.target is not None else 0,
             layer_source=(None if stats.get("refused") else
                           _LayerSource(self, xs, ys, features, description)),
         )
@@ -442,6 +443,14 @@ def check_callbacks(callbacks, what: str) -> tuple:
         raise ValueError(f"{what}: `callbacks` has more than one feature of kind "
                          f"{', '.join(doubles)}; a fit would keep only the last.")
     return tuple(features)
+
+
+def _how_to_compile_for_tpu() -> str:
+    """What a refusal that needs XLA:TPU's compile tells the user to do, on this backend."""
+    if keras.backend.backend() == "jax":
+        return "pass a TPU `device` such as 'v5e-8' with libtpu installed"
+    return (f"XLA:TPU's compile runs on the JAX backend (KERAS_BACKEND=jax), and this is "
+            f"the {keras.backend.backend()} backend")
 
 
 def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_spec=None,
@@ -557,8 +566,7 @@ def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_s
             raise ValueError(
                 f"compiled_memory: `headroom` ({headroom}) reserves HBM in XLA:TPU's "
                 f"compile, and this step compiles with the host's XLA (device={device!r}, "
-                f"compiler={compiler!r}); pass a TPU `device` such as 'v5e-8' with libtpu "
-                "installed, or headroom=0.0.")
+                f"compiler={compiler!r}); {_how_to_compile_for_tpu()}, or headroom=0.0.")
         target = target.with_headroom(headroom)
     compiler = Compiler(model, x_spec, y_spec, sample_batch=sample_batch, target=target)
     with compiler.targeting():

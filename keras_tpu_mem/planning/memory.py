@@ -68,6 +68,10 @@ class CompiledMemory:
             temporaries, the rest of the total XLA said the step required.
         reserved_bytes: HBM per device XLA:TPU's compile left free (a headroom:
             `compiled_memory(headroom=)`, a plan's); 0 for the whole chip or the host.
+        capacity_bytes: One device's HBM as XLA:TPU counts it, for a TPU target; 0
+            for the host. XLA:TPU schedules a step to fit `capacity_bytes -
+            reserved_bytes` where it can, and compiles one that cannot all the same
+            while it fits the whole chip: `fits_reserve` tells.
     """
 
     batch_size: int
@@ -91,6 +95,7 @@ class CompiledMemory:
     compiler: str = ""
     refused: str = ""
     reserved_bytes: int = 0
+    capacity_bytes: int = 0
     # Recompiles the same step with XLA's buffer assignment written out (set by the
     # Compiler; None on a CompiledMemory built by hand).
     layer_source: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -135,6 +140,15 @@ class CompiledMemory:
             - self.alias_bytes
             + self.constant_bytes
         )
+
+    @property
+    def fits_reserve(self) -> bool:
+        """Whether the step fits what its compile left usable (`capacity_bytes -
+        reserved_bytes`): not refused, and within it where HBM was reserved."""
+        if self.refused:
+            return False
+        return not self.reserved_bytes or (
+            self.total_bytes <= self.capacity_bytes - self.reserved_bytes)
 
     @property
     def state_bytes(self) -> int:

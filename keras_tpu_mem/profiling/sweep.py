@@ -24,6 +24,7 @@ import keras
 
 from keras_tpu_mem import backends, devices
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.planning.budget import check_headroom
 from keras_tpu_mem.profiling.sweep_result import SweepResult, SweepRow
 
 
@@ -188,6 +189,7 @@ def batch_size_sweep(
     sample_batch=None,
     device=None,
     compiler: str = "auto",
+    headroom: float = 0.0,
 ) -> SweepResult:
     """Trains a few steps at each batch size; measures throughput and peak memory.
 
@@ -228,6 +230,16 @@ def batch_size_sweep(
             array, a dict of arrays, `(x, y)` or `(x, y, sample_weight)`) of any
             batch size: each row trains on it tiled to the row's batch size
             (memory and throughput need shapes, not new data).
+        device: Instead of training here, compile each batch's step for this
+            device (`"v5e-8"`, a `TpuSlice`, a device spec; see `compiled_memory`)
+            and report what the compiler holds per device, stopping at the first
+            batch it refuses as too large; `dataset_fn` must be None.
+        compiler: With `device`, which compiler (`compiled_memory`'s `compiler`:
+            "auto", "tpu" or "host").
+        headroom: With `device`, the fraction of each device's memory the compile
+            leaves free (`compiled_memory`'s `headroom`; XLA:TPU schedules the step
+            within the rest where it can), as `plan` reserves it: the sweep stops at
+            the first batch over the rest. 0 compiles against the whole device.
 
     Returns:
         A `SweepResult` (`.rows`, `.largest_fitting`, `.oom_batch`, `.table()`).
@@ -257,7 +269,11 @@ def batch_size_sweep(
     profiler = backends.current("batch_size_sweep").profiler
     if device is not None:
         return _compiled_sweep(build_fn, dataset_fn, batch_sizes, sample_batch, device,
-                               compiler, png_path)
+                               compiler, png_path, headroom)
+    if check_headroom(headroom):
+        raise ValueError(f"batch_size_sweep(headroom={headroom!r}): a headroom is left free "
+                         "in a compile for `device=` (e.g. device='v5e-8'); a sweep that "
+                         "trains here measures what the run holds: pass headroom=0.")
     _check_sweep_args(build_fn, dataset_fn, batch_sizes, steps, sample_batch)
     if verbose not in (0, 1) or isinstance(verbose, bool):
         raise ValueError(f"`verbose` must be 0 (log lines) or 1 (progress bar), got {verbose!r}.")
@@ -340,7 +356,7 @@ def batch_size_sweep(
 
 
 def _compiled_sweep(build_fn, dataset_fn, batch_sizes, sample_batch, device, compiler,
-                    png_path) -> SweepResult:
+                    png_path, headroom) -> SweepResult:
     """`batch_size_sweep(..., device=...)`: one compile per batch for the device, smallest
     first, stopping at the first the compiler refuses as too large."""
     from keras_tpu_mem.planning.compiled import compiled_memory
@@ -359,11 +375,20 @@ def _compiled_sweep(build_fn, dataset_fn, batch_sizes, sample_batch, device, com
     skipped: tuple[int, ...] = ()
     for i, batch in enumerate(sizes):
         memory = compiled_memory(model, batch, device=device, compiler=compiler,
-                                 sample_batch=sample_batch, hlo_text=False)
+                                 sample_batch=sample_batch, hlo_text=False,
+                                 headroom=headroom)
         source = memory.compiler.split(" (")[0] + " compile"
-        if memory.refused:
-            rows.append(SweepRow(batch, None, None, "oom", memory.refused[:300],
-                                 memory_source=source))
+        if not memory.fits_reserve:
+            # Refused by XLA, or compiled over what the headroom leaves (XLA:TPU
+            # schedules a step within it where it can, and compiles it anyway).
+            usable = memory.capacity_bytes - memory.reserved_bytes
+            error = memory.refused[:300] or (
+                f"{devices.format_bytes(memory.total_bytes)} per device is over the "
+                f"{devices.format_bytes(usable)} the headroom ({headroom:g}) leaves of "
+                f"{devices.format_bytes(memory.capacity_bytes)}")
+            rows.append(SweepRow(batch, None, None if memory.refused else memory.total_bytes,
+                                 "oom", error, memory_source=source,
+                                 peak_exact=not memory.refused))
             skipped = tuple(sizes[i + 1:])
             break
         rows.append(SweepRow(batch, None, memory.total_bytes, memory_source=source,
