@@ -152,12 +152,14 @@ def _largest_per_chip(model, name: str, devices: int, at_per_chip,
     the compiles it took)`.
 
     The first batch tried is a guess from the compile at `per_chip` (`at_per_chip`:
-    `state_bytes`, `total_bytes`, `refused`), its bytes beyond the state taken as linear
+    `state_bytes`, `total_bytes`, `fits_reserve`), its bytes beyond the state taken as linear
     in the batch, against the chip's HBM per
-    device (`ktm.tpu_slice`); then the batch doubles while XLA:TPU compiles it, or
-    halves while XLA:TPU refuses it. Only XLA:TPU's verdicts decide (the guess saves
-    compiles, each minutes for a transformer). None where even one example is refused;
-    the last power of two up to 4096.
+    device (`ktm.tpu_slice`); then the batch doubles while it fits, or halves while it
+    does not. Only XLA:TPU's compiles decide (the guess saves compiles, each minutes for
+    a transformer): a batch fits where XLA:TPU compiles it within what the headroom
+    leaves (`CompiledMemory.fits_reserve`: XLA:TPU compiles a step over its reserve
+    without refusing it while it fits the whole chip). None where even one example
+    does not fit; the last power of two up to 4096.
     """
     import keras_tpu_mem as ktm
 
@@ -172,10 +174,10 @@ def _largest_per_chip(model, name: str, devices: int, at_per_chip,
     def fits(b: int) -> bool:
         nonlocal compiles
         if b == per_chip:
-            return not at_per_chip.refused
+            return at_per_chip.fits_reserve
         compiles += 1
-        return not ktm.compiled_memory(model, b * devices, device=name, hlo_text=False,
-                                       headroom=HEADROOM).refused
+        return ktm.compiled_memory(model, b * devices, device=name, hlo_text=False,
+                                   headroom=HEADROOM).fits_reserve
 
     if fits(batch):
         while batch < 4096 and fits(batch * 2):
@@ -249,7 +251,7 @@ def part_decoder(quick: bool) -> list[dict]:
                     # The guess's state: the weights and slots the plan counts per chip.
                     at = types.SimpleNamespace(
                         state_bytes=planned.weight_bytes + planned.optimizer_bytes,
-                        total_bytes=planned.total_bytes, refused=planned.refused)
+                        total_bytes=planned.total_bytes, fits_reserve=planned.fits)
                     chips = ktm.tpu_slice(name).devices
                     largest, largest_compiles = _largest_per_chip(
                         model, name, chips, at, per_chip=batch // chips)
