@@ -121,7 +121,7 @@ def test_a_headroom_needs_xla_tpus_compile():
     model = digits_mlp()
     for device in (None, "v5e-8"):
         with pytest.raises(ValueError, match=r"`headroom` \(0.1\) reserves HBM in XLA:TPU.*"
-                                             r"runs on the JAX backend.*the tensorflow backend"):
+                                             r"runs on the JAX backend.*the TensorFlow backend"):
             compiled_memory(model, 8, device=device, headroom=0.1)
     assert compiled_memory(model, 8, headroom=0.0).reserved_bytes == 0
 

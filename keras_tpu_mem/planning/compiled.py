@@ -447,10 +447,11 @@ def check_callbacks(callbacks, what: str) -> tuple:
 
 def _how_to_compile_for_tpu() -> str:
     """What a refusal that needs XLA:TPU's compile tells the user to do, on this backend."""
-    if keras.backend.backend() == "jax":
+    backend = backends.current("compiled_memory")
+    if backend.compiles_for_tpu():
         return "pass a TPU `device` such as 'v5e-8' with libtpu installed"
     return (f"XLA:TPU's compile runs on the JAX backend (KERAS_BACKEND=jax), and this is "
-            f"the {keras.backend.backend()} backend")
+            f"the {backend.label} backend")
 
 
 def compiled_memory(model, batch_size: int | None = None, *, callbacks=None, x_spec=None,
