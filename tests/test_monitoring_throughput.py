@@ -106,7 +106,12 @@ def _slow_batches(delay_s, batches, batch=4):
 
 
 def test_measure_input_rate_counts_batches_and_samples():
-    rate = mon.measure_input_rate(_slow_batches(0.01, 8), batches=5, warmup_batches=1)
+    # tf.data injects a prefetch by default: a batch made during the warm-up would be
+    # timed without its sleep (CI saw 106 batches/s). Without it every timed batch sleeps.
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False
+    dataset = _slow_batches(0.01, 8).with_options(options)
+    rate = mon.measure_input_rate(dataset, batches=5, warmup_batches=1)
     assert rate.batches == 5 and rate.batch_size == 4
     assert rate.batches_per_sec < 100  # each batch sleeps 10 ms: it cannot be faster
     assert rate.samples_per_sec == pytest.approx(4 * rate.batches_per_sec)
