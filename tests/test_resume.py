@@ -395,13 +395,16 @@ def test_keeps_the_newest_checkpoints_and_saves_at_update_boundaries(tmp_path):
     # Saves at updates 3, 6, the epoch end (8), 11, 14 and the epoch end (16); the
     # newest three are kept.
     assert found == [(11, 1, 3), (14, 1, 6), (16, 2, 0)]
-    # A save cut short earlier is pruned; what is not a checkpoint is left alone.
+    # A save cut short earlier is pruned; what is not a checkpoint is left alone, and a
+    # file with a checkpoint's name is not counted among the kept.
     os.makedirs(tmp_path / ".partial-update-000000017")
     (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "update-000000999").write_text("not a checkpoint")
     model.fit(x, y, batch_size=8, epochs=3, initial_epoch=2, shuffle=False, verbose=0,
               callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3, keep=3)])
     assert sorted(os.listdir(tmp_path)) == [
-        "notes.txt", "update-000000019", "update-000000022", "update-000000024"]
+        "notes.txt", "update-000000019", "update-000000022", "update-000000024",
+        "update-000000999"]
 
 
 def test_a_features_state_is_read_and_written_whole_once_per_save_and_restore(

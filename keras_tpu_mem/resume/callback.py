@@ -610,11 +610,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         model = self.model  # on JAX the property syncs the training state into the variables
         self._batches = 0
         writes = self._engine.backend_step.writes_checkpoints()
-        if self._sharded or not writes:
-            update = self._updates_made(model)
-            self._last_saved = self._base_update = update
-            if not writes and not self._sharded:
-                return  # another process of the job writes the same (replicated) state
+        if not writes and not self._sharded:
+            # Another process of the job writes the same (replicated) state.
+            self._last_saved = self._base_update = self._updates_made(model)
+            return
         if self._saved_groups is None:
             # Made once a step has run: Keras and the TensorFlow engine make the
             # optimizer's, the metrics' and the features' variables in the first one.
@@ -624,6 +623,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 "batches_per_update": self._engine.batches_per_update(),
                 "backend": self._engine.backend.label, "keras": keras.__version__}
         if self._sharded:
+            update = self._updates_made(model)
+            self._last_saved = self._base_update = update
             self._save_sharded(update, meta, writes)
             return
         # Everything is prepared before this read, which waits for the steps in flight

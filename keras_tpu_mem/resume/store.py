@@ -186,6 +186,13 @@ def _name(update: int) -> str:
     return f"{_PREFIX}{update:09d}"
 
 
+def _update_of(name: str) -> int | None:
+    """The update a checkpoint folder's name gives (`update-000000120` -> 120); None
+    for any other name."""
+    digits = name[len(_PREFIX):]
+    return int(digits) if name.startswith(_PREFIX) and digits.isdigit() else None
+
+
 def staging_folder(directory: str, update: int, make: bool = True) -> str:
     """The folder a checkpoint's files are written into before `_commit`, made empty
     when `make` (by one process of a job): a hidden `.partial-` folder locally (renamed
@@ -411,7 +418,7 @@ def _scan(directory: str) -> tuple[list[CheckpointInfo], list[str], list[str]]:
             cut_short.append(path)
             skipped.append(_cut_short_message(path))
             continue
-        if not name.startswith(_PREFIX) or (not remote and not os.path.isdir(path)):
+        if _update_of(name) is None or (not remote and not os.path.isdir(path)):
             continue
         try:
             found.append(read_info(path))
@@ -493,11 +500,11 @@ def prune(directory: str, keep: int) -> None:
         found, _, cut_short = _scan(directory)
         complete = [info.path for info in found]
     else:
-        names = os.listdir(directory) if os.path.isdir(directory) else []
-        cut_short = [os.path.join(directory, name) for name in names
+        folders = [entry.name for entry in os.scandir(directory)
+                   if entry.is_dir()] if os.path.isdir(directory) else []
+        cut_short = [os.path.join(directory, name) for name in folders
                      if name.startswith(_PARTIAL)]
-        updates = sorted(int(name[len(_PREFIX):]) for name in names
-                         if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit())
+        updates = sorted(update for update in map(_update_of, folders) if update is not None)
         complete = [os.path.join(directory, _name(update)) for update in updates]
     for path in cut_short:
         _rmtree(path)
