@@ -21,7 +21,11 @@ sequences) 8 times, so an epoch is 1,120 and 64 updates.
                  writer thread's work replaced by `nothing` (the save's part on
                  the training thread alone), a 4 ms `sleep` (no CPU), 2 MB of
                  SHA-256 (`hash`: CPU without the interpreter lock) or 1.5 ms of
-                 Python (`python`: CPU holding the lock). Not in the default set:
+                 Python (`python`: CPU holding the lock); or the real write
+                 changed, as tried and dropped (docs/resume.md): the arrays copied
+                 into one buffer first, then one checksum and one write
+                 (`onebuffer`), its fsyncs skipped (`nosync`), or its thread under
+                 Linux's SCHED_IDLE policy (`idle`). Not in the default set:
                  `--configs none,async/20,write:nothing,write:sleep,...`.
 
 Every configuration fits one warm-up epoch; then they take turns, one epoch
@@ -39,6 +43,7 @@ Run:  python benchmarks/bench_resume.py [--models digits,encoder] [--rounds 7]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -53,14 +58,68 @@ CONFIGS = ("none", "async/20", "sync/20", "async/100")
 #: The writer thread's work in the `write:` probes, in place of the checkpoint's write.
 PROBES = {"nothing": "nothing written", "sleep": "a 4 ms sleep",
           "hash": "2 MB of SHA-256 (the lock released)",
-          "python": "1.5 ms of Python (the lock held)"}
+          "python": "1.5 ms of Python (the lock held)",
+          "onebuffer": "the arrays copied into one buffer first",
+          "nosync": "its fsyncs skipped",
+          "idle": "its thread under SCHED_IDLE"}
+#: The `PROBES` that change the real write rather than replace it.
+CHANGES = ("onebuffer", "nosync", "idle")
 ALL_CONFIGS = (*CONFIGS, "orbax/20", *(f"write:{probe}" for probe in PROBES))
 LABELS = {"none": "none", "async/20": "`ResumableCheckpoint(every=20)`",
           "sync/20": "`ResumableCheckpoint(every=20, asynchronous=False)`",
           "async/100": "`ResumableCheckpoint(every=100)`",
           "orbax/20": "`ResumableCheckpoint(every=20, orbax=True)`",
-          **{f"write:{probe}": f"`every=20`, the writer's work replaced by {label}"
+          **{f"write:{probe}": (f"`every=20`, the write with {label}" if probe in CHANGES
+                                else f"`every=20`, the writer's work replaced by {label}")
              for probe, label in PROBES.items()}}
+
+
+@contextlib.contextmanager
+def _writer_probe(probe: str | None, directory: str):
+    """Within it, the writer thread does the `probe`'s work (`PROBES`) in place of, or
+    as a change of, `store.write_checkpoint`'s; nothing changes for `None`."""
+    from keras_tpu_mem.resume import store
+
+    saved = {name: getattr(store, name) for name in ("write_checkpoint", "_save_state")}
+    fsync = os.fsync
+    if probe == "onebuffer":
+        store._save_state = _save_state_one_buffer
+    elif probe == "nosync":
+        os.fsync = lambda fd: None
+    elif probe == "idle":
+        write = store.write_checkpoint
+
+        def idle_write(*args, **kwargs):
+            # The policy of the calling thread (pid 0), set at every save: it is cheap.
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return write(*args, **kwargs)
+        store.write_checkpoint = idle_write
+    elif probe is not None:
+        store.write_checkpoint = _probe_writer(probe, directory)
+    try:
+        yield
+    finally:
+        os.fsync = fsync
+        for name, value in saved.items():
+            setattr(store, name, value)
+
+
+def _save_state_one_buffer(path: str, arrays: list) -> tuple[int, int]:
+    """`store._save_state` with the arrays copied into one buffer first, then one
+    checksum and one write (fewer releases and takes of the interpreter lock)."""
+    import zlib
+
+    import numpy as np
+
+    size = arrays[-1][0] + arrays[-1][1].nbytes if arrays else 0
+    buffer = np.zeros(size, np.uint8)
+    for offset, data in arrays:
+        buffer[offset:offset + data.nbytes] = data
+    with open(path, "wb") as handle:
+        handle.write(buffer)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return size, zlib.crc32(buffer)
 
 
 def _probe_writer(probe: str, directory: str):
@@ -128,12 +187,9 @@ def _model_and_data(name: str):
 
 
 def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
-    import contextlib
-
     import keras
 
     from keras_tpu_mem import ResumableCheckpoint
-    from keras_tpu_mem.resume import store
 
     distribution = keras.distribution.DataParallel() if name == "encoder" else None
     scope = distribution.scope if distribution is not None else contextlib.nullcontext
@@ -156,18 +212,11 @@ def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
                 directory, every=20 if probe else int(config.split("/")[1]),
                 asynchronous=not config.startswith("sync"),
                 orbax=True if config.startswith("orbax") else None)]
-            write = store.write_checkpoint
-            if probe:
-                store.write_checkpoint = _probe_writer(probe, directory)
-            try:
-                with scope():
-                    start = time.perf_counter()
-                    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
-                              callbacks=callbacks)
-                    results[config]["times"].append(
-                        1000 * (time.perf_counter() - start) / steps)
-            finally:
-                store.write_checkpoint = write
+            with scope(), _writer_probe(probe, directory):
+                start = time.perf_counter()
+                model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                          callbacks=callbacks)
+                results[config]["times"].append(1000 * (time.perf_counter() - start) / steps)
             shutil.rmtree(directory, ignore_errors=True)
     for row in results.values():
         row["ms_per_step"] = statistics.median(row["times"])
