@@ -36,8 +36,13 @@ updates and at each epoch's end, so an epoch of N updates makes N // 20 + 1
 saves (the table says how many). The checkpoints go to a temporary directory
 on the local disk.
 
+`--write-cost SAVES` measures instead what one save of the digits MLP's state
+(about 1 MB) takes outside training, with and without its fsyncs: its thread's
+CPU, its wall time and the whole machine's CPU (the kernel's writeback too).
+
 Run:  python benchmarks/bench_resume.py [--models digits,encoder] [--rounds 7]
                                         [--configs none,async/20,...] [--out results.json]
+      python benchmarks/bench_resume.py --write-cost 300
 """
 
 from __future__ import annotations
@@ -241,6 +246,52 @@ def markdown(name: str, results: dict) -> str:
     return "\n".join(lines)
 
 
+def _machine_cpu_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (`/proc/stat`:
+    the kernel's writeback threads included, which a thread's own CPU time misses)."""
+    with open("/proc/stat") as handle:
+        ticks = [int(field) for field in handle.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
+
+
+def write_cost(saves: int, root: str) -> dict:
+    """The CPU one save of the digits MLP's state takes outside training, with and
+    without its fsyncs: `store.write_checkpoint` then `store.prune(keep=2)`, as the
+    writer thread runs them, `saves` times. Per save, in ms: the thread's own CPU, the
+    wall time, and the whole machine's CPU (Linux only: `/proc/stat`)."""
+    from keras_tpu_mem.resume import store
+
+    model, (x, y) = _model_and_data("digits")
+    model.fit(x[:64], y[:64], batch_size=BATCH["digits"], epochs=1, verbose=0)
+    groups = {"model": [(v.path, v.numpy()) for v in model.variables],
+              "optimizer": [(v.path, v.numpy()) for v in model.optimizer.variables]}
+    results = {"state_bytes": sum(value.nbytes for pairs in groups.values()
+                                  for _, value in pairs)}
+    for synced in (True, False, True, False):  # interleaved, each twice
+        directory = tempfile.mkdtemp(dir=root)
+        fsync = os.fsync
+        if not synced:
+            os.fsync = lambda fd: None
+        try:
+            thread, wall, machine = time.thread_time(), time.perf_counter(), _machine_cpu_seconds()
+            for update in range(saves):
+                store.write_checkpoint(directory, update, groups, {"epoch": 0, "batch": 0})
+                store.prune(directory, 2)
+            row = {"thread_ms": time.thread_time() - thread,
+                   "wall_ms": time.perf_counter() - wall,
+                   "machine_ms": _machine_cpu_seconds() - machine}
+        finally:
+            os.fsync = fsync
+            shutil.rmtree(directory, ignore_errors=True)
+        key = "synced" if synced else "not synced"
+        for name, seconds in row.items():
+            results.setdefault(key, {}).setdefault(name, []).append(1000 * seconds / saves)
+    for key in ("synced", "not synced"):
+        results[key] = {name: statistics.median(values)
+                        for name, values in results[key].items()}
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="digits,encoder")
@@ -248,7 +299,25 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"which of {', '.join(ALL_CONFIGS)} (none first)")
     parser.add_argument("--out", default=None, help="also write the results as JSON")
+    parser.add_argument("--write-cost", type=int, default=0, metavar="SAVES",
+                        help="instead: the CPU one save of the digits MLP's state takes "
+                             "outside training, with and without fsync, over SAVES saves")
     args = parser.parse_args(argv)
+    if args.write_cost:
+        _setup()
+        root = tempfile.mkdtemp(prefix="bench_resume_")
+        try:
+            cost = write_cost(args.write_cost, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(f"one save of {cost['state_bytes'] / 2**20:.2f} MiB (ms per save, medians of 2):")
+        for key in ("synced", "not synced"):
+            print(f"  {key}: " + ", ".join(f"{name[:-3]} {value:.2f}"
+                                           for name, value in cost[key].items()))
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(cost, handle, indent=1)
+        return 0
     configs = tuple(args.configs.split(","))
     unknown = [c for c in configs if c not in ALL_CONFIGS]
     if unknown or configs[:1] != ("none",):
