@@ -182,6 +182,7 @@ def checkpoints_table(directory: str, now: float | None = None) -> str:
     """What `keras-tpu-mem checkpoints DIR` prints: one row per complete checkpoint of a
     `ResumableCheckpoint` directory (the one a restart resumes from marked), oldest
     first, and a line for each folder a restart would skip."""
+    from keras_tpu_mem.devices.units import format_bytes
     from keras_tpu_mem.resume.store import is_remote, scan
 
     # A remote directory (gs://) is read through the backend's file API.
@@ -194,7 +195,7 @@ def checkpoints_table(directory: str, now: float | None = None) -> str:
         rows = [("update", "epoch", "batch", "size", "age", "")]
         for index, info in enumerate(found):
             rows.append((str(info.update), str(info.epoch + 1), str(info.batch),
-                         f"{info.size_bytes / 2**20:.2f} MiB", _age(now - info.saved_at),
+                         format_bytes(info.size_bytes), _age(now - info.saved_at),
                          "<- a restart resumes here" if index == len(found) - 1 else ""))
         widths = [max(len(row[i]) for row in rows) for i in range(5)]
         for row in rows:

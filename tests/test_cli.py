@@ -87,6 +87,7 @@ def test_checkpoints_lists_a_directory_without_a_framework(tmp_path):
     assert rows[0][-3:] == ["2", "complete", "checkpoint(s)"]
     assert rows[1] == ["update", "epoch", "batch", "size", "age"]
     assert rows[2][:3] == ["5", "1", "5"] and rows[3][:3] == ["10", "2", "0"]
+    assert rows[2][3:5] == ["16.00", "KiB"]  # 4,096 float32s: a small state in its unit
     assert "resumes here" in result.stdout.splitlines()[3]
     assert "skipped:" in result.stdout and ".partial-update-000000015" in result.stdout
     imported = _imported_modules(result.stderr)
