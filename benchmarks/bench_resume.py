@@ -269,19 +269,17 @@ def write_cost(saves: int, root: str) -> dict:
                                   for _, value in pairs)}
     for synced in (True, False, True, False):  # interleaved, each twice
         directory = tempfile.mkdtemp(dir=root)
-        fsync = os.fsync
-        if not synced:
-            os.fsync = lambda fd: None
         try:
-            thread, wall, machine = time.thread_time(), time.perf_counter(), _machine_cpu_seconds()
-            for update in range(saves):
-                store.write_checkpoint(directory, update, groups, {"epoch": 0, "batch": 0})
-                store.prune(directory, 2)
-            row = {"thread_ms": time.thread_time() - thread,
-                   "wall_ms": time.perf_counter() - wall,
-                   "machine_ms": _machine_cpu_seconds() - machine}
+            with _writer_probe(None if synced else "nosync", directory):
+                thread, wall = time.thread_time(), time.perf_counter()
+                machine = _machine_cpu_seconds()
+                for update in range(saves):
+                    store.write_checkpoint(directory, update, groups, {"epoch": 0, "batch": 0})
+                    store.prune(directory, 2)
+                row = {"thread_ms": time.thread_time() - thread,
+                       "wall_ms": time.perf_counter() - wall,
+                       "machine_ms": _machine_cpu_seconds() - machine}
         finally:
-            os.fsync = fsync
             shutil.rmtree(directory, ignore_errors=True)
         key = "synced" if synced else "not synced"
         for name, seconds in row.items():
