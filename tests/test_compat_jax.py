@@ -124,6 +124,27 @@ def test_memory_analysis_reads_the_compiled_step_and_refuses_none():
         jax_compat.memory_analysis(NoAnalysis())
 
 
+def test_laid_out_hbm_bytes_reads_xlas_memory_usage_report(tmp_path):
+    """`memory_report_options` makes XLA write its memory-usage report and
+    `laid_out_hbm_bytes` reads its default memory space's total. On XLA:CPU that total is
+    `memory_analysis()`'s (arguments + temporaries + results - aliased) to the byte; on
+    XLA:TPU it is not (tests/test_planning_target_jax.py)."""
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.tanh(jnp.tanh(x @ w) @ w.T).sum())(w)
+
+    lowered = jax.jit(step, donate_argnums=0).lower(jnp.ones((256, 256)), jnp.ones((512, 256)))
+    compiled = jax_compat.compile_for_memory(
+        lowered, "cpu", jax_compat.memory_report_options(str(tmp_path / "report")))
+    m = jax_compat.memory_analysis(compiled)
+    assert m.temp_size_in_bytes > 0
+    assert jax_compat.laid_out_hbm_bytes(str(tmp_path / "report")) == (
+        m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+        - m.alias_size_in_bytes)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RuntimeError, match="memory-usage-report"):
+        jax_compat.laid_out_hbm_bytes(str(tmp_path / "empty"))
+
+
 def test_backends_initialized():
     jax.devices()  # the suite has started JAX's backends by now; make sure
     assert jax_compat.backends_initialized() is True

@@ -54,6 +54,8 @@ def test_compiled_memory_grows_with_batch_and_changes_nothing():
         assert r.data_bytes == data
         assert r.total_bytes >= r.argument_bytes + r.temp_bytes - r.alias_bytes
         assert "temporaries" in str(r)
+        # XLA:TPU's layout is read from XLA:TPU's compile only.
+        assert r.laid_out_bytes == 0 and "laid out" not in str(r)
     # Nothing ran: same weights, no optimizer step, but the slots now exist.
     assert model.optimizer.built
     assert int(model.optimizer.iterations.numpy()) == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -46,9 +47,18 @@ def _mlp(width, depth, inputs=None, classes=16, use_bias=True):
 
 
 def _bare_tpu_total(model, topology: str, batch: int, width: int, reserved: int = 0) -> int:
-    """The Keras step compiled by hand for the slice (replicated state, batch split): the
-    compiled total XLA:TPU reports, read as `CompiledMemory.total_bytes` reads it, with
-    `reserved` bytes of HBM left free (libtpu's `xla_tpu_user_reserved_hbm_bytes`)."""
+    """The compiled total XLA:TPU reports for `_bare_tpu_analysis`'s step, read as
+    `CompiledMemory.total_bytes` reads it."""
+    m = _bare_tpu_analysis(model, topology, batch, width, reserved)
+    return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def _bare_tpu_analysis(model, topology: str, batch: int, width: int, reserved: int = 0,
+                       options=None):
+    """The Keras step compiled by hand for the slice (replicated state, batch split), with
+    `reserved` bytes of HBM left free (libtpu's `xla_tpu_user_reserved_hbm_bytes`) and
+    more XLA `options`: its `memory_analysis()`."""
     devices = np.array(jax.experimental.topologies.get_topology_desc(
         topology_name=topology, platform="tpu").devices)
     mesh = Mesh(devices.reshape(-1), ("batch",))
@@ -75,10 +85,9 @@ def _bare_tpu_total(model, topology: str, batch: int, width: int, reserved: int 
     compiled = jax.jit(step, donate_argnums=(0, 1, 2), out_shardings=(
         whole, [whole] * len(tv), [whole] * len(ntv), [whole] * len(ov))
     ).lower(tv, ntv, ov, x, y).compile(
-        {"xla_tpu_user_reserved_hbm_bytes": reserved} if reserved else None)
-    m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-            - m.alias_size_in_bytes)
+        {**({"xla_tpu_user_reserved_hbm_bytes": reserved} if reserved else {}),
+         **(options or {})} or None)
+    return compiled.memory_analysis()
 
 
 @needs_libtpu
@@ -107,6 +116,52 @@ def test_half_billion_mlp_total_matches_a_bare_xla_tpu_compile():
     assert planned.total_bytes == pytest.approx(bare, rel=0.03)
     # Replicated Adam state of 0.54B float32 parameters: 6 GiB per chip, which fits.
     assert planned.fits and planned.weight_bytes > 2 * 2**30
+
+
+@needs_libtpu
+def test_laid_out_bytes_is_xla_tpus_own_layout_not_memory_analysis(tmp_path):
+    """`laid_out_bytes` is the HBM XLA:TPU's memory-usage report lays out for the step:
+    a bare compile's report, read here, agrees within 3% (as the totals do). For this
+    MLP XLA:TPU keeps the temporaries in VMEM and its `temp_size_in_bytes` is 0, yet its
+    layout holds 2.3 MiB more HBM than the arguments: `total_bytes` is below it. The
+    host's compile has no such figure."""
+    model = _mlp(1024, 4)
+    on_tpu = ktm.compiled_memory(model, 512, device="v5e-8", hlo_text=False)
+    bare = _bare_tpu_analysis(model, "v5e:2x4", 512, 1024, options={
+        "xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "^$"})
+    report = next(tmp_path.glob("*memory-usage-report.txt")).read_text()
+    reported = int(re.search(r"Memory Space: default \(color=0\)\s+Total bytes: (\d+)",
+                             report).group(1))
+    assert on_tpu.laid_out_bytes == pytest.approx(reported, rel=0.03)
+    assert bare.temp_size_in_bytes == 0 and on_tpu.temp_bytes == 0
+    assert on_tpu.laid_out_bytes >= on_tpu.total_bytes + 2 * 2**20
+    assert re.search(r"laid out +[0-9.]+ MiB", str(on_tpu))
+    on_host = ktm.compiled_memory(model, 512, hlo_text=False)
+    assert on_host.laid_out_bytes == 0 and "laid out" not in str(on_host)
+
+
+def test_a_plan_notes_where_xla_tpus_layout_fits_and_its_total_does_not():
+    """The LoRA decoder's figures (docs/planning.md): XLA:TPU lays out 27.67 GiB of HBM
+    where `memory_analysis()` totals 31.63 GiB; with 28.13 GiB usable the plan says so,
+    and says nothing where both fit, both do not, or the compile was not XLA:TPU's."""
+    from keras_tpu_mem.planning.memory import CompiledMemory
+    from keras_tpu_mem.planning.memory_plan import layout_note
+
+    gib = 2**30
+
+    def step(total, laid_out):
+        return CompiledMemory(batch_size=64, argument_bytes=int(2.44 * gib), data_bytes=0,
+                              temp_bytes=int((total - 2.44) * gib), live_out_bytes=0,
+                              alias_bytes=0, constant_bytes=0, weight_bytes=0,
+                              optimizer_bytes=0, laid_out_bytes=int(laid_out * gib))
+
+    usable = int(28.125 * gib)
+    note = layout_note(step(31.63, 27.67), usable)
+    assert "compiled at batch 64 holds 27.67 GiB" in note and "31.63 GiB in all" in note
+    assert "within the 28.12 GiB usable" in note
+    assert layout_note(step(27.0, 26.0), usable) is None       # both fit
+    assert layout_note(step(31.63, 28.70), usable) is None     # neither fits
+    assert layout_note(step(31.63, 0.0), usable) is None       # not XLA:TPU's compile
 
 
 @needs_libtpu

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import re
 
 
 # ---------------------------------------------------------------- shard_map
@@ -85,14 +87,51 @@ def compile_with_dump(lowered, directory: str, platform: str = "", options=None)
     `xla_dump_to` makes XLA write, per module, the optimized HLO with its metadata
     (`*after_optimizations.txt`), the buffer assignment
     (`*after_optimizations-buffer-assignment.txt`) and the live ranges of its buffers
-    with the peak (`*after_optimizations-live-range.txt`). `xla_dump_hlo_pass_re`
-    matching no pass keeps the per-pass dumps out; the backend's code files
-    (LLVM IR, objects on CPU) are still written, so `directory` is a scratch folder.
-    `options`: more compile options (XLA:TPU's reserve, `tpu_topology.compile_options`).
+    with the peak (`*after_optimizations-live-range.txt`); XLA:TPU also writes its
+    memory-usage report (`laid_out_hbm_bytes`). `xla_dump_hlo_pass_re` matching no pass
+    keeps the per-pass dumps out; the backend's code files (LLVM IR, objects on CPU)
+    are still written, so `directory` is a scratch folder. `options`: more compile
+    options (XLA:TPU's reserve, `tpu_topology.compile_options`).
     """
     return compile_for_memory(lowered, platform,
                               {**(options or {}), "xla_dump_to": directory,
                                "xla_dump_hlo_pass_re": "^$", "xla_dump_hlo_as_text": True})
+
+
+def memory_report_options(directory: str) -> dict:
+    """Compile options with which XLA:TPU writes its memory-usage report of the
+    optimized module to `directory` (`*after_optimizations-memory-usage-report.txt`,
+    read by `laid_out_hbm_bytes`).
+
+    libtpu 0.0.42.1 writes the module's HLO texts with it whatever the format options
+    say; `xla_dump_buffer_assignment_analysis` off leaves out the per-value files (272
+    MB of the 406 MB a 7B decoder's step dumps) and `xla_dump_disable_metadata` about
+    a fifth of the rest. `directory` is a scratch folder."""
+    return {"xla_dump_to": directory, "xla_dump_hlo_pass_re": "^$",
+            "xla_dump_buffer_assignment_analysis": False, "xla_dump_disable_metadata": True}
+
+
+_REPORT_SUFFIX = "after_optimizations-memory-usage-report.txt"
+_DEFAULT_SPACE_TOTAL = re.compile(
+    r"^Memory Space: default \(color=0\)\s*\nTotal bytes: (\d+)", re.MULTILINE)
+
+
+def laid_out_hbm_bytes(directory: str) -> int:
+    """HBM per device XLA:TPU's buffer assignment lays out for the module dumped in
+    `directory` (`memory_report_options`, or `compile_with_dump`'s dump): the "Total
+    bytes" of the report's default memory space (color 0), which holds the parameters,
+    the results and the temporaries' arena; the on-chip memories (VMEM, SMEM) are
+    other colors. Raises RuntimeError where the report or that line is missing."""
+    names = sorted(n for n in os.listdir(directory) if n.endswith(_REPORT_SUFFIX))
+    if not names:
+        raise RuntimeError(f"XLA:TPU wrote no *{_REPORT_SUFFIX} to its dump folder; "
+                           "cannot read the HBM its buffer assignment lays out.")
+    with open(os.path.join(directory, names[-1])) as f:
+        match = _DEFAULT_SPACE_TOTAL.search(f.read())
+    if match is None:
+        raise RuntimeError(f"XLA:TPU's {names[-1]} has no 'Memory Space: default "
+                           "(color=0)' total; cannot read the HBM it lays out.")
+    return int(match.group(1))
 
 
 # --------------------------------------------------------- Keras distribution

@@ -335,6 +335,7 @@ class Compiler:
             live_out_bytes=stats["live_out"],
             alias_bytes=stats["alias"],
             constant_bytes=stats["constant"],
+            laid_out_bytes=stats.get("laid_out", 0),
             weight_bytes=_device_bytes(model.weights, self.backend),
             optimizer_bytes=_device_bytes(model.optimizer.variables, self.backend),
             module_name=stats["module_name"],

@@ -372,6 +372,23 @@ TPU_NOT_MODELLED = (
 )
 
 
+def layout_note(reference, usable: int) -> str | None:
+    """A note where XLA:TPU's own layout of the `reference` compile (`CompiledMemory.
+    laid_out_bytes`) fits `usable` bytes but the total the verdicts count does not:
+    XLA:TPU reports temporaries beyond the arena it lays out (docs/planning.md); None
+    elsewhere."""
+    laid_out = reference.laid_out_bytes
+    if not laid_out or not laid_out <= usable < reference.total_bytes:
+        return None
+    fb = devices.format_bytes
+    return (f"XLA:TPU's own layout of the step it compiled at batch {reference.batch_size} "
+            f"holds {fb(laid_out)} of HBM per device, within the {fb(usable)} usable, but "
+            f"its memory_analysis() reports temporaries beyond that arena "
+            f"({fb(reference.total_bytes)} in all), and the verdict counts those. Which of "
+            "the two the TPU's runtime needs was not measured (docs/planning.md, \"What "
+            "each figure counts\").")
+
+
 def candidates_table(candidates, usable: int) -> str:
     """The candidates a search compiled, as a table."""
     fb = devices.format_bytes
@@ -415,6 +432,8 @@ def assemble(device: DeviceBudget, global_batch_size: int, per_replica: int,
     """
     per_sample, fixed = activations
     bf16_activation, bf16_total, bf16_recommendation, bf16_largest = bf16
+    layout = layout_note(reference, usable_bytes(device.capacity_bytes, headroom))
+    notes = (*notes, *([layout] if layout else []))
     return MemoryPlan(
         device=device, global_batch_size=global_batch_size, per_replica_batch=per_replica,
         accumulation_steps=accumulation_steps, micro_batch=per_replica // accumulation_steps,

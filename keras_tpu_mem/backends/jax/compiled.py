@@ -279,15 +279,15 @@ def prepare_step(model, xs, ys, features, compile_context,
 _COMPILER_THREAD = None
 
 
-def _compile_in_background(prepared: _PreparedStep, meanwhile):
-    """`compile_for_memory` of `prepared` on the compiler thread while `meanwhile()`
-    runs here; `(compiled, None)` or `(None, the compile's exception)`."""
+def _compile_in_background(prepared: _PreparedStep, meanwhile, options):
+    """`compile_for_memory` of `prepared` with `options` on the compiler thread while
+    `meanwhile()` runs here; `(compiled, None)` or `(None, the compile's exception)`."""
     global _COMPILER_THREAD
     if _COMPILER_THREAD is None:
         _COMPILER_THREAD = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="ktm-xla-compile")
     future = _COMPILER_THREAD.submit(jax_compat.compile_for_memory, prepared.lowered,
-                                     prepared.platform, prepared.options)
+                                     prepared.platform, options)
     try:
         meanwhile()
     finally:
@@ -309,24 +309,32 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
     `partitioner_shards_state`), True (Keras' own, left to XLA's SPMD partitioner) or False
     (the engine's). `prepared`: this step as `prepare_step` lowered it (not lowered
     again). `meanwhile`: a function run on this thread while XLA compiles on another
-    (not with `dump`)."""
+    (not with `dump`). On XLA:TPU, `stats["laid_out"]` is the HBM its buffer assignment
+    lays out, from its memory-usage report (`_compat.jax.laid_out_hbm_bytes`); 0 on
+    other platforms."""
     if prepared is None:
         prepared = prepare_step(model, xs, ys, features, compile_context, keras_step)
     platform, devices = prepared.platform, prepared.devices
-    compiled = texts = None
-    error = prepared.error
-    if error is None and meanwhile is not None and not dump:
-        compiled, error = _compile_in_background(prepared, meanwhile)
-    elif error is None:
-        try:
-            if dump:
-                compiled, texts = _compile_dumped(prepared.lowered, platform,
-                                                  prepared.options)
-            else:
-                compiled = jax_compat.compile_for_memory(prepared.lowered, platform,
-                                                         prepared.options)
-        except Exception as err:
-            error = err
+    with tempfile.TemporaryDirectory(prefix="ktm-xla-dump-") as directory:
+        # XLA:TPU's layout of HBM is in its memory-usage report, not memory_analysis().
+        options = ({**prepared.options, **jax_compat.memory_report_options(directory)}
+                   if platform == "TPU" else prepared.options)
+        compiled, texts, error = None, None, prepared.error
+        if error is None and meanwhile is not None and not dump:
+            compiled, error = _compile_in_background(prepared, meanwhile, options)
+        elif error is None:
+            try:
+                if dump:
+                    compiled = jax_compat.compile_with_dump(prepared.lowered, directory,
+                                                            platform, prepared.options)
+                    texts = _dumped_texts(directory)
+                else:
+                    compiled = jax_compat.compile_for_memory(prepared.lowered, platform,
+                                                             options)
+            except Exception as err:
+                error = err
+        laid_out = (jax_compat.laid_out_hbm_bytes(directory)
+                    if error is None and platform == "TPU" else 0)
     if error is not None:
         first = str(error).splitlines()[0] if str(error) else ""
         if is_out_of_memory(error):
@@ -342,6 +350,7 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
         # memory_analysis() has no constants entry: they are part of the
         # generated code, reported apart and not counted here.
         constant=0,
+        laid_out=laid_out,
         module_name=_module_name(compiled),
         platform=platform,
         devices=devices,
@@ -355,17 +364,15 @@ _DUMPED = {"hlo": "after_optimizations.txt",
            "live": "after_optimizations-live-range.txt"}
 
 
-def _compile_dumped(lowered, platform, options=None):
-    """Compiles with XLA's dump in a scratch folder and reads the three files back."""
-    with tempfile.TemporaryDirectory(prefix="ktm-xla-dump-") as directory:
-        compiled = jax_compat.compile_with_dump(lowered, directory, platform, options)
-        names = os.listdir(directory)
-        texts = {}
-        for key, suffix in _DUMPED.items():
-            found = sorted(n for n in names if n.endswith(suffix))
-            if not found:
-                raise RuntimeError(f"XLA wrote no *{suffix} for the step (dumped: "
-                                   f"{len(names)} files); cannot attribute its memory.")
-            with open(os.path.join(directory, found[-1])) as f:
-                texts[key] = f.read()
-    return compiled, texts
+def _dumped_texts(directory) -> dict:
+    """The three files of XLA's dump (`_compat.jax.compile_with_dump`) read back."""
+    names = os.listdir(directory)
+    texts = {}
+    for key, suffix in _DUMPED.items():
+        found = sorted(n for n in names if n.endswith(suffix))
+        if not found:
+            raise RuntimeError(f"XLA wrote no *{suffix} for the step (dumped: "
+                               f"{len(names)} files); cannot attribute its memory.")
+        with open(os.path.join(directory, found[-1])) as f:
+            texts[key] = f.read()
+    return texts
