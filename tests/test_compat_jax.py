@@ -140,6 +140,9 @@ def test_laid_out_hbm_bytes_reads_xlas_memory_usage_report(tmp_path):
     assert jax_compat.laid_out_hbm_bytes(str(tmp_path / "report")) == (
         m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
         - m.alias_size_in_bytes)
+    report = jax_compat.dumped_text(str(tmp_path / "report"), "memory-usage-report.txt",
+                                    "read the report")
+    assert report.startswith("Memory Space: default (color=0)")
     (tmp_path / "empty").mkdir()
     with pytest.raises(RuntimeError, match="memory-usage-report"):
         jax_compat.laid_out_hbm_bytes(str(tmp_path / "empty"))

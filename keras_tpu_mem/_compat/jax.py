@@ -116,21 +116,30 @@ _DEFAULT_SPACE_TOTAL = re.compile(
     r"^Memory Space: default \(color=0\)\s*\nTotal bytes: (\d+)", re.MULTILINE)
 
 
+def dumped_text(directory: str, suffix: str, purpose: str) -> str:
+    """The text of the file XLA's dump wrote to `directory` whose name ends with
+    `suffix` (the last by name where several do); a RuntimeError saying it cannot
+    `purpose` where XLA wrote none."""
+    names = os.listdir(directory)
+    found = sorted(n for n in names if n.endswith(suffix))
+    if not found:
+        raise RuntimeError(f"XLA wrote no *{suffix} for the step (dumped: {len(names)} "
+                           f"files); cannot {purpose}.")
+    with open(os.path.join(directory, found[-1])) as f:
+        return f.read()
+
+
 def laid_out_hbm_bytes(directory: str) -> int:
     """HBM per device XLA:TPU's buffer assignment lays out for the module dumped in
     `directory` (`memory_report_options`, or `compile_with_dump`'s dump): the "Total
     bytes" of the report's default memory space (color 0), which holds the parameters,
     the results and the temporaries' arena; the on-chip memories (VMEM, SMEM) are
     other colors. Raises RuntimeError where the report or that line is missing."""
-    names = sorted(n for n in os.listdir(directory) if n.endswith(_REPORT_SUFFIX))
-    if not names:
-        raise RuntimeError(f"XLA:TPU wrote no *{_REPORT_SUFFIX} to its dump folder; "
-                           "cannot read the HBM its buffer assignment lays out.")
-    with open(os.path.join(directory, names[-1])) as f:
-        match = _DEFAULT_SPACE_TOTAL.search(f.read())
+    purpose = "read the HBM its buffer assignment lays out"
+    match = _DEFAULT_SPACE_TOTAL.search(dumped_text(directory, _REPORT_SUFFIX, purpose))
     if match is None:
-        raise RuntimeError(f"XLA:TPU's {names[-1]} has no 'Memory Space: default "
-                           "(color=0)' total; cannot read the HBM it lays out.")
+        raise RuntimeError(f"XLA's *{_REPORT_SUFFIX} has no 'Memory Space: default "
+                           f"(color=0)' total; cannot {purpose}.")
     return int(match.group(1))
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
 import tempfile
 
 import jax
@@ -366,13 +365,5 @@ _DUMPED = {"hlo": "after_optimizations.txt",
 
 def _dumped_texts(directory) -> dict:
     """The three files of XLA's dump (`_compat.jax.compile_with_dump`) read back."""
-    names = os.listdir(directory)
-    texts = {}
-    for key, suffix in _DUMPED.items():
-        found = sorted(n for n in names if n.endswith(suffix))
-        if not found:
-            raise RuntimeError(f"XLA wrote no *{suffix} for the step (dumped: "
-                               f"{len(names)} files); cannot attribute its memory.")
-        with open(os.path.join(directory, found[-1])) as f:
-            texts[key] = f.read()
-    return texts
+    return {key: jax_compat.dumped_text(directory, suffix, "attribute its memory")
+            for key, suffix in _DUMPED.items()}
