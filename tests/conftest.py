@@ -42,6 +42,8 @@ BOTH_BACKENDS: tuple[str, ...] = (
     "test_precision_report.py",
     "test_resume.py",
     "test_feature_state.py",
+    "test_planning_oom.py",
+    "test_planning_sample_batch.py",
 )
 if BACKEND == "jax":
     # Before JAX starts: 8 host CPU devices stand in for a TPU slice, and XLA's

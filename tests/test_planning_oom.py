@@ -1,63 +1,66 @@
-"""The out-of-memory explanation (planning/oom.py) on TensorFlow: an injected
-RESOURCE_EXHAUSTED in a fit becomes `StepOutOfMemoryError` with the compiled breakdown."""
+"""The out-of-memory explanation (planning/oom.py), one body per behaviour on both
+backends (conftest's BOTH_BACKENDS): an injected RESOURCE_EXHAUSTED in a fit (the
+error each backend's runtime raises) becomes `StepOutOfMemoryError` with the compiled
+breakdown."""
 
 from __future__ import annotations
 
 import by_layer_views_cases
-import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from conftest import BACKEND
+from planning_models import wide_mlp
 
-import keras_tpu_mem as ktm
-from keras_tpu_mem.planning import compiled_memory
+from keras_tpu_mem.devices import format_bytes
+from keras_tpu_mem.engine import EngineCallback
+from keras_tpu_mem.planning import StepOutOfMemoryError, compiled_memory, set_oom_device
 
 MIB = 1024**2
 
 
-class _InjectedOOM(ktm.engine.EngineCallback):
-    """Raises TensorFlow's ResourceExhaustedError while the step is traced, once."""
+def _runtime_out_of_memory() -> Exception:
+    """The error the backend's runtime raises where a step's buffers do not fit."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.errors.ResourceExhaustedError(
+            None, None, "OOM when allocating tensor with shape[2048,256]")
+    import jax
+
+    return jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB.")
+
+
+class InjectedOOM(EngineCallback):
+    """Raises the runtime's out-of-memory error while the step is traced, once."""
 
     name = "injected_oom"
     armed = True
 
     def transform_loss(self, loss, ctx):
-        if _InjectedOOM.armed:
-            _InjectedOOM.armed = False  # the explanation's own compile traces it again
-            raise tf.errors.ResourceExhaustedError(
-                None, None, "OOM when allocating tensor with shape[2048,256]")
+        if InjectedOOM.armed:
+            InjectedOOM.armed = False  # the explanation's own compile traces it again
+            raise _runtime_out_of_memory()
         return loss
-
-
-def _oom_mlp():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((256,))]
-                             + [keras.layers.Dense(256, activation="relu") for _ in range(4)]
-                             + [keras.layers.Dense(10)])
-    model.compile(optimizer="adam",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
 
 
 @pytest.mark.slow
 def test_out_of_memory_is_explained_with_the_compiled_breakdown():
-    from keras_tpu_mem.devices import format_bytes
-    from keras_tpu_mem.planning import StepOutOfMemoryError, set_oom_device
-
-    model = _oom_mlp()
+    model = wide_mlp(width=256, depth=4, inputs=256)
     plain = compiled_memory(model, 2048, hlo_text=False)
     budget = int(plain.total_bytes * 0.6)
     x, y = np.zeros((2048, 256), "float32"), np.zeros((2048,), "int32")
-    _InjectedOOM.armed = True
+    InjectedOOM.armed = True
     set_oom_device(f"{budget / MIB:.3f}MiB")
     try:
         with pytest.raises(StepOutOfMemoryError) as info:
-            model.fit(x, y, batch_size=2048, epochs=1, verbose=0, callbacks=[_InjectedOOM()])
+            model.fit(x, y, batch_size=2048, epochs=1, verbose=0, callbacks=[InjectedOOM()])
     finally:
         set_oom_device(None)
     message = str(info.value)
+    # Keras' traceback filter re-raises `from None` on JAX: the original stays the context.
     original = info.value.__cause__ or info.value.__context__
-    assert isinstance(original, tf.errors.ResourceExhaustedError)
+    assert isinstance(original, type(_runtime_out_of_memory()))
     assert "global batch 2048" in message
     assert format_bytes(info.value.plan.total_bytes) in message
     assert "capacity" in message and format_bytes(info.value.plan.capacity_bytes) in message
@@ -71,15 +74,13 @@ def test_out_of_memory_is_explained_with_the_compiled_breakdown():
 
 
 def test_out_of_memory_still_raises_when_the_by_layer_table_fails(monkeypatch):
-    from keras_tpu_mem.planning import StepOutOfMemoryError
-
-    model = _oom_mlp()
-    x, y = np.zeros((256, 256), "float32"), np.zeros((256,), "int32")
+    model = wide_mlp(width=64, depth=2, inputs=32)
+    x, y = np.zeros((256, 32), "float32"), np.zeros((256,), "int32")
 
     def fit_failing():
-        _InjectedOOM.armed = True
+        InjectedOOM.armed = True
         with pytest.raises(StepOutOfMemoryError) as info:
-            model.fit(x, y, batch_size=256, epochs=1, verbose=0, callbacks=[_InjectedOOM()])
+            model.fit(x, y, batch_size=256, epochs=1, verbose=0, callbacks=[InjectedOOM()])
         return info.value
 
     by_layer_views_cases.check_oom_raises_when_the_table_fails(monkeypatch, fit_failing)

@@ -1,9 +1,12 @@
-"""Plans for sequence models and one meaning of the batch on TensorFlow (issue 22, item 4):
-`sample_batch=` in `compiled_memory` and `plan` (planning/specs.py, compiled.py, planner.py),
-`batch_size` as the global batch under a `tf.distribute` strategy, `plan` in every mode.
+"""Plans for sequence models and one meaning of the batch (issue 22, item 4), one body per
+behaviour on both backends (conftest's BOTH_BACKENDS): `sample_batch=` in
+`compiled_memory` and `plan` (planning/specs.py, compiled.py, planner.py), `batch_size`
+as the global batch, `plan` in every mode. What only a `keras.distribution` shows (8
+host devices) is in test_planning_sample_batch_jax.py.
 
 References are independent of `sample_batch`: the same step compiled from hand-written
-`tf.TensorSpec`s, and data bytes summed here from shapes and dtypes."""
+specs of the backend (`tf.TensorSpec`, `jax.ShapeDtypeStruct`), and data bytes summed
+here from shapes and dtypes."""
 
 from __future__ import annotations
 
@@ -13,23 +16,36 @@ import keras
 import numpy as np
 import planning_models
 import pytest
-import tensorflow as tf
+from conftest import BACKEND
 from planning_models import digits_mlp
 
 import keras_tpu_mem as ktm
 from keras_tpu_mem.planning import compiled_memory, plan
 
 LENGTH, VOCAB, CLASSES = 12, 100, 5
+#: The backend's own spec class, as the error messages name it.
+SPEC_NAME = "tf.TensorSpec" if BACKEND == "tensorflow" else "jax.ShapeDtypeStruct"
+
+
+def backend_spec(shape, dtype):
+    """A hand-written spec of the backend's own class (the batch dimension is replaced)."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.TensorSpec((None, *shape[1:]), dtype)
+    import jax
+
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def sequence_model():
     return planning_models.sequence_model(vocab=VOCAB, classes=CLASSES)
 
 
-def sample(rows=3):
+def sample(rows=3, dtype="int32"):
     rng = np.random.default_rng(0)
-    return (rng.integers(0, VOCAB, (rows, LENGTH)).astype("int32"),
-            rng.integers(0, CLASSES, (rows,)).astype("int32"))
+    return (rng.integers(0, VOCAB, (rows, LENGTH)).astype(dtype),
+            rng.integers(0, CLASSES, (rows,)).astype(dtype))
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +56,8 @@ def model():
 def test_sample_batch_defines_the_specs_of_a_sequence_model(model):
     x, y = sample(3)  # any batch size: 3 rows plan a batch of 8
     result = compiled_memory(model, 8, sample_batch=(x, y), hlo_text=False)
-    by_hand = compiled_memory(model, 8, x_spec=tf.TensorSpec((None, LENGTH), tf.int32),
-                              y_spec=tf.TensorSpec((None,), tf.int32), hlo_text=False)
+    by_hand = compiled_memory(model, 8, x_spec=backend_spec((1, LENGTH), "int32"),
+                              y_spec=backend_spec((1,), "int32"), hlo_text=False)
     assert result.batch_size == 8
     assert result.data_bytes == 8 * (LENGTH * 4 + 4)
     assert (result.temp_bytes, result.argument_bytes) == (by_hand.temp_bytes,
@@ -52,12 +68,17 @@ def test_sample_batch_defines_the_specs_of_a_sequence_model(model):
     weighted = compiled_memory(model, 8, sample_batch=(x, y, np.ones(3, "float32")),
                                hlo_text=False)
     assert weighted.temp_bytes == result.temp_bytes
+    # NumPy's default int64, as a user's token ids come, is planned as fit feeds it:
+    # int32 on JAX (no x64), int64 on TensorFlow.
+    fed = 4 if BACKEND == "jax" else 8
+    assert compiled_memory(model, 8, sample_batch=sample(3, "int64"),
+                           hlo_text=False).data_bytes == 8 * (LENGTH + 1) * fed
 
 
 def test_plan_takes_a_sample_batch_in_every_mode(model):
     x, y = sample(2)
-    estimate = plan(model, 64, device="3145728B", sample_batch=(x, y))
-    assert estimate.per_replica_batch == 64 and estimate.fits
+    plain = plan(model, 64, device="3145728B", sample_batch=(x, y))
+    assert plain.per_replica_batch == 64 and plain.fits
     compiled = plan(model, 64, device="3145728B", sample_batch=(x, y), callbacks=[])
     assert compiled.total_bytes == compiled_memory(model, 64, sample_batch=(x, y),
                                                    hlo_text=False).total_bytes
@@ -68,14 +89,19 @@ def test_plan_takes_a_sample_batch_in_every_mode(model):
 def test_unknown_dimensions_without_sample_batch_name_it(model):
     with pytest.raises(ValueError, match="sample_batch") as info:
         compiled_memory(model, 8)
-    assert "tf.TensorSpec" in str(info.value) and "None, None" in str(info.value)
-    with pytest.raises(ValueError, match="sample_batch"):
+    message = str(info.value)
+    assert SPEC_NAME in message and "keras.KerasTensor" in message
+    assert "None, None" in message  # the model's input shape
+    if BACKEND == "jax":  # no TensorFlow named where it may not be installed
+        assert "tf." not in message
+    with pytest.raises(ValueError, match="sample_batch") as info:
         plan(model, 64, device="v5e-1")
+    assert BACKEND == "tensorflow" or "tf." not in str(info.value)
 
 
 def test_sample_batch_with_specs_is_an_error(model):
     x, y = sample()
-    spec = tf.TensorSpec((None, LENGTH), tf.int32)
+    spec = backend_spec((1, LENGTH), "int32")
     with pytest.raises(ValueError, match="sample_batch.*x_spec"):
         compiled_memory(model, 8, sample_batch=(x, y), x_spec=spec)
     with pytest.raises(ValueError, match="sample_batch.*x_spec"):
@@ -95,6 +121,8 @@ def test_dict_sample_batch_for_a_dict_model():
         4 * (7 * 4 + 3 * 4 + 2 * 4)
 
 
+@pytest.mark.tensorflow_only("MirroredStrategy's replicas; JAX's DataParallel: "
+                             "test_planning_sample_batch_jax.py")
 def test_batch_size_is_global_under_a_strategy(mirrored):
     """`compiled_memory(model, 64)` under 2 replicas compiles 32 per replica, the step of
     the same model without a strategy at 32."""
@@ -132,7 +160,7 @@ def test_batch_size_without_a_strategy_is_unchanged_and_warns_nothing():
     dict(precision="bf16"), dict(callbacks=[ktm.GradientAccumulation(2)]),
 ], ids=["plain", "callbacks-empty", "search", "accumulation", "precision", "callbacks"])
 def test_plan_in_every_mode(kwargs):
-    """`plan(model, 1024, device="v5e-1")` and its modes, as on JAX."""
+    """`plan(model, 1024, device="v5e-1")` and its modes."""
     planned = plan(digits_mlp(), 1024, device="v5e-1", **kwargs)
     assert planned.fits and planned.total_bytes > 0 and planned.per_replica_batch == 1024
     assert "v5e-1" in str(planned)
