@@ -1,5 +1,6 @@
-"""Cases shared by test_planning_by_layer.py (TensorFlow) and its JAX twin: the issue's
-floor model and the sums every `LayerTable` must meet (issue 22, item 1)."""
+"""What test_planning_by_layer.py (both backends) and test_planning_by_layer_jax.py share:
+the issue's floor model, the encoder's layer names, and the sums every `LayerTable` must
+meet (issue 22, item 1)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,16 @@ def check_sums(model, result, table):
     assert abs(sum(r.weights for r in table) - weights) <= 0.01 * weights
     optimizer = nbytes(model.optimizer.variables)
     assert abs(sum(r.optimizer for r in table) - optimizer) <= 0.01 * optimizer
+
+
+def encoder_layers(model):
+    """`([the attention layer, its four projections], [the two feed-forward Dense])` by
+    the names `LayerTable` gives them."""
+    attention = next(layer for layer in model.layers
+                     if isinstance(layer, keras.layers.MultiHeadAttention))
+    names = [attention.name] + [f"{attention.name}/{sub.name}" for sub in (
+        attention.query_dense, attention.key_dense, attention.value_dense,
+        attention.output_dense)]
+    dense = [layer.name for layer in model.layers
+             if isinstance(layer, keras.layers.Dense) and layer.name != "head"]
+    return names, dense
