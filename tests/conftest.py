@@ -47,6 +47,7 @@ BOTH_BACKENDS: tuple[str, ...] = (
     "test_planning_oom.py",
     "test_planning_sample_batch.py",
     "test_planning_search.py",
+    "test_shapes.py",
 )
 if BACKEND == "jax":
     # Before JAX starts: 8 host CPU devices stand in for a TPU slice, and XLA's

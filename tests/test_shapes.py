@@ -1,6 +1,8 @@
-"""`keras_tpu_mem.shapes` on TensorFlow: models built with shapes only, and given values later.
+"""`keras_tpu_mem.shapes`: models built with shapes only, and given values later; one body
+per behaviour on both backends (conftest's BOTH_BACKENDS).
 
-JAX, distributions and layouts: tests/test_shapes_jax.py.
+JAX's distributions and layouts (`materialize` into each variable's layout):
+tests/test_shapes_jax.py.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import keras
 import numpy as np
 import psutil
 import pytest
-import tensorflow as tf
+from conftest import BACKEND
 from helpers import max_abs_diff
 
 from keras_tpu_mem import shapes
@@ -215,15 +217,26 @@ def test_deferring_defers_state_made_after_the_scope():
     assert not any(keras_compat.has_value(v) for v in model.optimizer.variables)
 
 
-def test_reading_shapes_lets_tf_function_trace_the_model():
+def _trace(model, shape) -> tuple:
+    """The output shape of `model` traced by the backend's compiler front end
+    (`tf.function`'s concrete function; `jax.jit(...).lower`) on float32 inputs."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        traced = tf.function(model).get_concrete_function(tf.TensorSpec(shape, tf.float32))
+        return tuple(traced.structured_outputs.shape)
+    import jax
+
+    return tuple(jax.jit(model).lower(jax.ShapeDtypeStruct(shape, "float32")).out_info.shape)
+
+
+def test_reading_shapes_lets_the_backend_trace_the_model():
     with shapes.shapes_only():
         model = _mlp(dropout=False)
-    spec = tf.TensorSpec((2, 16), tf.float32)
     with pytest.raises(ValueError, match=r"ktm\.materialize"):
-        tf.function(model).get_concrete_function(spec)
+        _trace(model, (2, 16))
     with shapes.reading_shapes():
-        traced = tf.function(model).get_concrete_function(spec)
-    assert tuple(traced.structured_outputs.shape) == (2, 8)
+        assert _trace(model, (2, 16)) == (2, 8)
     assert shapes.is_shapes_only(model)
 
 
@@ -237,7 +250,11 @@ def test_variables_stay_deferred_when_another_stateless_scope_exits():
     assert not any(keras_compat.has_value(v) for v in model.variables)
 
 
+@pytest.mark.tensorflow_only("tf.distribute's mirrored values; JAX's layouts: "
+                             "test_shapes_jax.py")
 def test_mirrored_strategy_materializes_mirrored_variables(mirrored):
+    import tensorflow as tf
+
     with mirrored.strategy.scope(), shapes.shapes_only():
         model = _compiled(build_optimizer=True)
     shapes.materialize(model)
@@ -248,7 +265,8 @@ def test_mirrored_strategy_materializes_mirrored_variables(mirrored):
 
 
 def test_a_1_5b_parameter_mlp_builds_in_little_host_memory():
-    with shapes.shapes_only():  # warm-up: what the first Keras build costs on its own
+    # Warm-up: what the first Keras build costs on its own (and starting JAX's runtime).
+    with shapes.shapes_only():
         _compiled()
     width, depth = 8192, 22
     before = _rss()
@@ -261,3 +279,18 @@ def test_a_1_5b_parameter_mlp_builds_in_little_host_memory():
     grown = _rss() - before
     assert model.count_params() > 1.47e9  # 5.9 GB of float32 weights, 18 GB with Adam's slots
     assert grown < 300 * MiB, f"RSS grew {grown / MiB:.0f} MiB"
+
+
+def test_metric_objects_given_to_compile_are_materialized():
+    """A metric object passed to `compile` inside `shapes_only()` (keras-hub's tasks do
+    it) made its variables there, before any fit lists them: `materialize` makes them too,
+    and the first fit trains."""
+    with shapes.shapes_only():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                      weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()])
+    assert shapes.is_shapes_only(model)
+    shapes.materialize(model)
+    assert not shapes.is_shapes_only(model)
+    history = model.fit(np.zeros((16, 8)), np.zeros((16,)), verbose=0)
+    assert "sparse_categorical_accuracy" in history.history
