@@ -1,6 +1,7 @@
-"""Both monitors in one fit on TensorFlow: strategies, steps, resume, files (issues #7, #12).
+"""Both monitors in one fit on TensorFlow: strategies, steps, files (issues #7, #12).
 
-Each monitor's own tests are in test_monitoring_hbm.py and test_monitoring_throughput.py.
+Each monitor's own tests are in test_monitoring_hbm.py and test_monitoring_throughput.py;
+across a preemption and resume, on both backends, in test_monitoring_resume.py.
 
 Memory on CPU is the host allocator's current/peak bytes, which TensorFlow
 reports while oneDNN is on (conftest forces it on); it counts only allocations
@@ -18,12 +19,10 @@ import time
 import keras
 import monitoring_cases as cases
 import numpy as np
-import pytest
 import tensorflow as tf
 
 from keras_tpu_mem import devices
 from keras_tpu_mem import monitoring as mon
-from keras_tpu_mem.report import load_timeline
 
 
 def test_monitors_across_strategies(strategy_case, digits, tmp_path, ktm_records):
@@ -145,66 +144,6 @@ def test_steps_per_execution_is_counted_per_execution(tmp_path, ktm_records):
         if errors[-1] < 0.05:
             break
     assert min(errors) < 0.05, errors
-    cases.assert_no_crash(ktm_records)
-
-
-class _InterruptAt(keras.callbacks.Callback):
-    """Simulates a preemption at a given global training batch."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.epoch, self.batch, self._epoch = epoch, batch, None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self._epoch, batch) == (self.epoch, self.batch):
-            raise RuntimeError("preempted")
-
-
-def test_resume_with_backup_and_restore_continues_the_timeline(digits, tmp_path, ktm_records):
-    (x, y), _ = digits
-    train = cases.tf_batches(x, y)
-    steps_per_epoch = len(x) // cases.BATCH
-    log_dir, backup = tmp_path / "logs", tmp_path / "backup"
-
-    def run(extra):
-        model = cases.compile_model(cases.dense_mlp())
-        callbacks = [keras.callbacks.BackupAndRestore(str(backup)), mon.HBMMonitor(log_dir),
-                     mon.ThroughputMonitor(log_dir)] + extra
-        return model.fit(train, epochs=3, verbose=0, callbacks=callbacks)
-
-    with pytest.raises(RuntimeError, match="preempted"):
-        run([_InterruptAt(epoch=1, batch=3)])  # backed up after epoch 0, lost at step S+4
-    # No on_train_end after the crash: the writer thread still puts the records
-    # on disk within about a second.
-    path = log_dir / "ktm_memory" / "timeline.jsonl"
-    expected = list(range(1, steps_per_epoch + 5))
-    deadline = time.monotonic() + 20
-    while True:
-        before = path.read_text()
-        first_attempt = [json.loads(line) for line in before.splitlines()]
-        if [r["step"] for r in first_attempt] == expected or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert [r["step"] for r in first_attempt] == expected
-
-    run([])  # resumes at epoch 1, from the backed-up step S
-    after = path.read_text()
-    assert after.startswith(before)  # appended, not clobbered
-    for subdir in ("ktm_memory", "ktm_throughput"):
-        raw = cases.read_timeline(log_dir, subdir)
-        second = [r for r in raw if r["attempt"] == 2]
-        # The optimizer's restored step counter continues the step axis.
-        assert [r["step"] for r in second] == list(range(steps_per_epoch + 1,
-                                                         3 * steps_per_epoch + 1))
-        # Read as TensorBoard would: the re-trained steps replace the lost ones.
-        kept = load_timeline(str(log_dir / subdir / "timeline.jsonl"))
-        assert [r["step"] for r in kept] == list(range(1, 3 * steps_per_epoch + 1))
-        assert {r["attempt"] for r in kept if r["step"] > steps_per_epoch} == {2}
-        events = [f for f in os.listdir(log_dir / subdir) if "tfevents" in f]
-        assert len(events) == 2
     cases.assert_no_crash(ktm_records)
 
 

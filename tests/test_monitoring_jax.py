@@ -1,5 +1,6 @@
 """The monitors on the JAX backend as a whole: the host-RSS floor in fresh processes,
-resume, the run directory's files, and no TensorFlow in a JAX run (issue 16, item 4).
+the run directory's files, and no TensorFlow in a JAX run (issue 16, item 4); resume:
+test_monitoring_resume.py (both backends).
 
 Each monitor's own JAX tests are in test_monitoring_hbm_jax.py and
 test_monitoring_throughput_jax.py; the device readers' in test_devices_jax.py.
@@ -12,13 +13,10 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import host_rss_workload
-import keras
 import monitoring_cases as cases
 import pytest
-from helpers import make_distribution, scope
 
 from keras_tpu_mem import _utils, devices
 from keras_tpu_mem import monitoring as mon
@@ -72,54 +70,6 @@ def test_host_rss_on_jax_cpu_every_epoch_and_growing_with_the_batch(tmp_path):
         assert {"host_rss/process/current_gib", "host_rss/process/peak_gib",
                 "host_rss_eval/process/peak_gib"} <= tags
         assert not [t for t in tags if t.startswith("hbm")]
-
-
-class _InterruptAt(keras.callbacks.Callback):
-    """Simulates a preemption at a given batch of a given epoch."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.epoch, self.batch, self._epoch = epoch, batch, None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self._epoch, batch) == (self.epoch, self.batch):
-            raise RuntimeError("preempted")
-
-
-def test_resume_with_backup_and_restore_continues_the_step_axis(tmp_path, ktm_records):
-    x, y = cases.random_data(64 * 6)
-    log_dir, backup = tmp_path / "logs", tmp_path / "backup"
-
-    def run(extra):
-        with scope(make_distribution("dp8")):
-            model = cases.compile_model(cases.small_mlp())
-            callbacks = [keras.callbacks.BackupAndRestore(str(backup)), mon.HBMMonitor(log_dir),
-                         mon.ThroughputMonitor(log_dir)] + extra
-            return model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=callbacks)
-
-    with pytest.raises(RuntimeError, match="preempted"):
-        run([_InterruptAt(epoch=1, batch=2)])  # backed up after epoch 0 (6 steps)
-    # No on_train_end after the crash: the writer threads still put steps 1..9 on
-    # disk within about a second (as a preempted process would have before dying).
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not all(
-            os.path.exists(log_dir / d / "timeline.jsonl")
-            and [r["step"] for r in cases.read_timeline(log_dir, d)] == list(range(1, 10))
-            for d in ("ktm_memory", "ktm_throughput")):
-        time.sleep(0.2)
-    run([])
-    cases.assert_no_crash(ktm_records)
-    for subdir in ("ktm_memory", "ktm_throughput"):
-        records = [r for r in cases.read_timeline(log_dir, subdir) if r.get("phase") != "eval"]
-        first = [r["step"] for r in records if r["attempt"] == 1]
-        second = [r for r in records if r["attempt"] == 2]
-        assert first == list(range(1, 10))
-        # The restored optimizer's step counter continues the step axis.
-        assert [r["step"] for r in second] == list(range(7, 19))
-        assert {r["begin_step"] for r in second} == {6}
 
 
 def test_without_tensorboard_the_timeline_is_still_written(tmp_path, monkeypatch, ktm_records):
