@@ -44,6 +44,7 @@ BOTH_BACKENDS: tuple[str, ...] = (
     "test_feature_state.py",
     "test_planning_by_layer.py",
     "test_planning_by_layer_text.py",
+    "test_monitoring_host_rss.py",
     "test_monitoring_resume.py",
     "test_planning_oom.py",
     "test_planning_sample_batch.py",

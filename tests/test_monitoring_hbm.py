@@ -3,13 +3,12 @@
 Memory on CPU is the host allocator's current/peak bytes, which TensorFlow
 reports while oneDNN is on (conftest forces it on); it counts only allocations
 of 256 KiB and more, so the models here have layers of >= 1024 units at batch
->= 128. The host-RSS fallback (oneDNN off, as on AMD/AVX2 CPUs) is tested in
-subprocesses with TF_ENABLE_ONEDNN_OPTS=0.
+>= 128. The host-RSS fallback (oneDNN off, as on AMD/AVX2 CPUs) is tested, on both
+backends, in test_monitoring_host_rss.py.
 """
 
 from __future__ import annotations
 
-import host_rss_workload
 import monitoring_cases as cases
 import numpy as np
 import pytest
@@ -72,53 +71,6 @@ def test_small_capacity_warns_exactly_once(digits, ktm_records):
                       callbacks=[mon.HBMMonitor(capacity_bytes=64 * 1024**3)])
     assert not cases.log_messages(ktm_records, "headroom on")
     assert 0 < roomy.history["hbm_utilization"][0] < 0.01
-
-
-@pytest.mark.slow
-def test_host_rss_fallback_when_the_allocator_keeps_no_statistics(tmp_path):
-    """TF_ENABLE_ONEDNN_OPTS=0 (AMD/AVX2's default): memory from the process's RSS, named so.
-
-    The peak grows with the batch (tests/host_rss_workload.py says by how
-    much and why each batch size runs in a fresh process).
-    """
-    onednn_off = {"TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    small, stderr, log_dir = cases.run_host_rss_workload(tmp_path, 64, **onednn_off)
-    big, _, _ = cases.run_host_rss_workload(tmp_path, 4096, **onednn_off)
-
-    history = small["history"]
-    # The History keys stay as they are, with host-RSS figures in them.
-    assert len(history["hbm_peak_gib"]) == 2 and min(history["hbm_peak_gib"]) > 0
-    assert min(history["val_hbm_peak_gib"]) > 0 and "samples_per_sec" in history
-    # Reference: the process's own RSS before fit; training only adds to it.
-    assert min(history["hbm_peak_gib"]) * devices.GIB >= 0.9 * small["rss_before"]
-    peak_small = max(history["hbm_peak_gib"]) * devices.GIB
-    peak_big = max(big["history"]["hbm_peak_gib"]) * devices.GIB
-    assert peak_big - peak_small > host_rss_workload.activation_bytes(4096), (peak_small, peak_big)
-
-    # Said once, and named in the data: summary, timeline, TensorBoard, table.
-    notices = [ln for ln in stderr.splitlines() if "memory source: host RSS" in ln]
-    assert len(notices) == 1, stderr[-3000:]
-    assert "TF_ENABLE_ONEDNN_OPTS=0" in notices[0] and "not HBM" in notices[0]
-    assert "cannot read memory" not in stderr and "switched off" not in stderr
-    table = stderr[stderr.index("peak memory per device"):]
-    assert "CPU (process RSS)" in table and "host RSS (process)" in table
-    summary = small["summary"]
-    assert summary["memory_sources"] == {"CPU (process RSS)": "host_rss"}
-    info = summary["devices"]["CPU (process RSS)"]
-    assert info["process_wide"] is True and info["source"] == "host_rss"
-    assert "VmHWM" in summary["host_rss_peak"] or "between steps" in summary["host_rss_peak"]
-    memory = cases.read_timeline(log_dir, "ktm_memory")
-    assert {r["memory_source"] for r in memory} == {"host_rss"}
-    for record in memory:
-        (reading,) = record["devices"].values()
-        assert reading["source"] == "host_rss" and reading["process_wide"] is True
-        assert reading["peak_bytes"] >= reading["current_bytes"] > 0
-    events = cases.event_accumulator(log_dir / "ktm_memory")
-    tags = set(events.Tags()["scalars"])
-    assert {"host_rss/process/current_gib", "host_rss/process/peak_gib",
-            "host_rss_eval/process/peak_gib"} <= tags
-    assert not [t for t in tags if t.startswith("hbm")]  # host RSS is never called HBM
-    assert "host_rss" in cases.text_summary(events, "memory_source")
 
 
 def test_an_unexpected_error_switches_the_monitor_off_and_training_goes_on(

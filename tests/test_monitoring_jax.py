@@ -1,6 +1,6 @@
-"""The monitors on the JAX backend as a whole: the host-RSS floor in fresh processes,
-the run directory's files, and no TensorFlow in a JAX run (issue 16, item 4); resume:
-test_monitoring_resume.py (both backends).
+"""The monitors on the JAX backend as a whole: the run directory's files, and no
+TensorFlow in a JAX run (issue 16, item 4). On both backends: the host-RSS floor in fresh
+processes (test_monitoring_host_rss.py), resume (test_monitoring_resume.py).
 
 Each monitor's own JAX tests are in test_monitoring_hbm_jax.py and
 test_monitoring_throughput_jax.py; the device readers' in test_devices_jax.py.
@@ -14,62 +14,12 @@ import subprocess
 import sys
 import textwrap
 
-import host_rss_workload
 import monitoring_cases as cases
 import pytest
 
-from keras_tpu_mem import _utils, devices
+from keras_tpu_mem import _utils
 from keras_tpu_mem import monitoring as mon
 from keras_tpu_mem.monitoring import _writer
-
-
-@pytest.mark.slow  # two fresh processes (docs/testing.md: slow)
-def test_host_rss_on_jax_cpu_every_epoch_and_growing_with_the_batch(tmp_path):
-    """JAX's CPU devices keep no statistics: the process's RSS, named so, every epoch.
-
-    The peak grows with the batch (tests/host_rss_workload.py says by how
-    much and why each batch size runs in a fresh process).
-    """
-    small, stderr, log_dir = cases.run_host_rss_workload(tmp_path, 64)
-    big, _, _ = cases.run_host_rss_workload(tmp_path, 4096)
-    assert small["tensorflow"] is False and big["tensorflow"] is False
-
-    history = small["history"]
-    assert len(history["hbm_peak_gib"]) == 2 and min(history["hbm_peak_gib"]) > 0
-    assert len(big["history"]["hbm_peak_gib"]) == 2 and min(big["history"]["hbm_peak_gib"]) > 0
-    assert min(history["val_hbm_peak_gib"]) > 0 and "samples_per_sec" in history
-    # Reference: the process's own RSS (psutil) before fit; training only adds to it.
-    assert min(history["hbm_peak_gib"]) * devices.GIB >= 0.9 * small["rss_before"]
-    peak_small = max(history["hbm_peak_gib"]) * devices.GIB
-    peak_big = max(big["history"]["hbm_peak_gib"]) * devices.GIB
-    assert peak_big - peak_small > host_rss_workload.activation_bytes(4096), (peak_small, peak_big)
-
-    # Said once, and named in the data: summary, timeline, TensorBoard, table.
-    notices = [ln for ln in stderr.splitlines() if "memory source: host RSS" in ln]
-    assert len(notices) == 1, stderr[-3000:]
-    assert "memory_stats() is None" in notices[0] and "not HBM" in notices[0]
-    assert "oneDNN" not in notices[0]
-    assert "cannot read memory" not in stderr and "switched off" not in stderr
-    table = stderr[stderr.index("peak memory per device"):]
-    assert "CPU (process RSS)" in table and "host RSS (process)" in table
-    summary = small["summary"]
-    assert summary["memory_sources"] == {"CPU (process RSS)": "host_rss"}
-    info = summary["devices"]["CPU (process RSS)"]
-    assert info["process_wide"] is True and info["source"] == "host_rss"
-    assert "peak_exact" not in info  # host RSS: VmHWM is reset per phase, as on TensorFlow
-    memory = cases.read_timeline(log_dir, "ktm_memory")
-    assert [r["phase"] for r in memory[:2]] == ["compile", "train"]
-    assert {r["memory_source"] for r in memory} == {"host_rss"}
-    for record in memory:
-        (reading,) = record["devices"].values()
-        assert reading["source"] == "host_rss" and reading["process_wide"] is True
-        assert reading["peak_bytes"] >= reading["current_bytes"] > 0
-        assert "peak_exact" not in reading
-    if cases.HAS_TENSORBOARD:
-        tags = set(cases.event_accumulator(log_dir / "ktm_memory").Tags()["scalars"])
-        assert {"host_rss/process/current_gib", "host_rss/process/peak_gib",
-                "host_rss_eval/process/peak_gib"} <= tags
-        assert not [t for t in tags if t.startswith("hbm")]
 
 
 def test_without_tensorboard_the_timeline_is_still_written(tmp_path, monkeypatch, ktm_records):
