@@ -479,6 +479,46 @@ def test_a_failed_write_is_raised_on_the_training_thread(tmp_path, monkeypatch, 
     assert [info.update for info in ktm.list_checkpoints(str(tmp_path))] == [2]
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["written", "failed"])
+def test_a_new_callback_waits_for_the_write_an_interrupted_fit_left_in_flight(
+        tmp_path, monkeypatch, caplog, fails):
+    """A notebook cell interrupted mid-fit (no `on_train_end`) and run again makes a new
+    callback on the same directory while the old one's last save may still be writing
+    (a slow disk, a Drive mount): the new one waits for it, then resumes from it, or,
+    where it failed, from the one before, with a warning naming the failure."""
+    import threading
+
+    write, started = store.write_checkpoint, threading.Event()
+
+    def slow(directory, update, groups, meta):
+        if update == 6 and not started.is_set():  # the interrupted fit's save only
+            started.set()
+            threading.Event().wait(0.5)  # the save of update 6 is still writing
+            if fails:
+                raise OSError(5, "Input/output error")
+        return write(directory, update, groups, meta)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 6:  # update 7: the save of update 6 began before this batch
+                assert started.wait(5)
+                raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(store, "write_checkpoint", slow)
+    x, y = _xy()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _small_model().fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
+            ktm.ResumableCheckpoint(str(tmp_path), every=3), Interrupt()])
+    again = ktm.ResumableCheckpoint(str(tmp_path), every=3)
+    with caplog.at_level(logging.WARNING, logger="keras_tpu_mem"):
+        _small_model().fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                           callbacks=[again])
+    assert again.resumed_from.update == (3 if fails else 6)
+    assert "cut short" not in caplog.text
+    assert ("the last write of the previous callback" in caplog.text) == fails
+    assert ("Input/output error" in caplog.text) == fails
+
+
 def test_a_fit_resumed_at_its_end_runs_nothing_and_the_next_fit_trains(tmp_path):
     # The resumed fit makes no call of the train function: its first-batch observer
     # (which refuses another global batch) must not reach the next fit's first step.

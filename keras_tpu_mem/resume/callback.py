@@ -20,6 +20,7 @@ import functools
 import itertools
 import os
 import time
+import weakref
 
 import keras
 
@@ -35,6 +36,18 @@ _MODEL, _OPTIMIZER, _METRICS = "model", "optimizer", "metrics"
 _POSITIONABLE = ("arrays with `shuffle=False`, a keras.utils.PyDataset (batches by index) "
                  "with `shuffle=False`, or a tf.data.Dataset / grain dataset whose order is "
                  "the same at every run")
+
+
+#: The callback that last wrote each directory in this process. A fit interrupted in a
+#: notebook (KeyboardInterrupt, an error) calls no `on_train_end`, so its last write
+#: may still be in flight when the cell is run again with a new callback: the new one
+#: waits for it before it reads the directory (a checkpoint half-written there would
+#: otherwise be taken for one cut short, and pruned under the writer).
+_LAST_WRITER: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _directory_key(directory: str) -> str:
+    return directory if store.is_remote(directory) else os.path.realpath(directory)
 
 
 def _check_data(model, epochs: int):
@@ -348,6 +361,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._finish_writes()
         self._raise_write_error()
+        self._take_over_directory()
         model = self.model
         self._epoch_order = _check_data(model, (self.params or {}).get("epochs") or 1)
         self._steps = (self.params or {}).get("steps")
@@ -589,6 +603,23 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             keras_compat.set_initial_epoch(self.model, None)
         self._finish_writes()
         self._raise_write_error()
+
+    def _take_over_directory(self) -> None:
+        """Waits for the writes another `ResumableCheckpoint` of this process left in
+        flight in the same directory (its fit ended in an error), then becomes the
+        directory's writer. A write of it that failed is named in a warning: the fit
+        resumes from the checkpoint before it."""
+        key = _directory_key(self.directory)
+        other = _LAST_WRITER.get(key)
+        if other is not None and other is not self:
+            other._finish_writes()
+            err, other._write_error = other._write_error, None
+            if err is not None:
+                logger.warning("ResumableCheckpoint: the last write of the previous "
+                               "callback on %r failed (%s: %s); resuming from the "
+                               "checkpoint before it.", self.directory,
+                               type(err).__name__, err)
+        _LAST_WRITER[key] = self
 
     def _finish_writes(self) -> None:
         """Waits for the writes in flight and closes the writers: at the end of a fit,
