@@ -44,3 +44,11 @@ def test_colab_notebook_runs_on_cpu(tmp_path):
     student = float(re.search(r"student: \d+ parameters .* validation accuracy (\d\.\d+)",
                               text).group(1))
     assert student > 0.85
+    # The disconnected run resumed from its newest checkpoint, mid-epoch, on the weights
+    # of the run never stopped (the same devices, the same order of every sum).
+    saved = re.search(r"disconnected at update 29; checkpoints at updates \[([\d, ]+)\]", text)
+    resumed = re.search(r"resumed at update (\d+): epoch (\d+), batch (\d+)", text)
+    # (at least: a save still writing when the list was read is not in it)
+    assert int(resumed.group(1)) >= max(int(u) for u in saved.group(1).split(","))
+    assert int(resumed.group(3)) > 0
+    assert re.search(r"max \|resumed - never stopped\| over the weights: 0\.0$", text, re.M)
