@@ -24,7 +24,10 @@ Parts (`--parts`, default all):
              for `bert`, from the plan at one sequence per chip);
 * `sharded`  the engine's `shard_map` step against Keras' own step on the same
              `ShardedDataParallel` layouts left to XLA:TPU's SPMD partitioner: per-chip
-             totals and the collectives each optimized HLO holds.
+             totals and the collectives each optimized HLO holds;
+* `accumulation`  `GradientAccumulation(4)` under `ShardedDataParallel()` as `fit` runs
+             it on a TPU mesh, against the engine's `shard_map` loop and Keras' step
+             without accumulation (MLPs of 0.13B to 6.71B parameters).
 
 Every XLA:TPU compile reserves the headroom (`--headroom`, 10% as `plan`'s) of each
 chip's HBM: XLA:TPU schedules a step to the memory it is given.
@@ -357,8 +360,57 @@ def part_mlp(quick: bool, big: bool = False) -> list[dict]:
     return rows
 
 
+def part_accumulation(quick: bool) -> list[dict]:
+    """`GradientAccumulation(4)` under `ShardedDataParallel()` (global batch 256, MLPs built
+    shapes-only, compiled against the whole chip): the micro-batch loop as `fit` runs it
+    on a TPU mesh (on the global arrays, each micro-batch over every chip, left to
+    XLA:TPU's partitioner), the engine's `shard_map` loop (`reducers.in_shard_map()`:
+    every weight gathered whole for the step), and Keras' own step without
+    accumulation. A step XLA:TPU refuses is shown with the bytes its refusal names."""
+    import contextlib
+
+    import jax
+    import keras
+
+    import keras_tpu_mem as ktm
+    from keras_tpu_mem.backends.jax import reducers
+    from keras_tpu_mem.sharding import ShardedDataParallel
+
+    cases = ([(1024, 4, "v5e-8")] if quick else
+             [(4096, 8, "v5e-8"), (8192, 8, "v5e-8"), (8192, 32, "v5e-8"),
+              (8192, 100, "v5e-16")])
+    rows = []
+    for width, depth, name in cases:
+        distribution = ShardedDataParallel(devices=jax.devices()[:8])
+        row = dict(part="accumulation", width=width, depth=depth, slice=name)
+        for step in ("partitioned", "shard_map", "keras"):
+            # A model each: the compile cache keys on the step and layouts, not the loop.
+            with distribution.scope(), ktm.shapes_only():
+                model = keras.Sequential(
+                    [keras.Input((width,))]
+                    + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+                    + [keras.layers.Dense(16)])
+                model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+            callbacks = [] if step == "keras" else [ktm.GradientAccumulation(4)]
+            started = time.perf_counter()
+            with distribution.scope(), (reducers.in_shard_map() if step == "shard_map"
+                                        else contextlib.nullcontext()):
+                memory = ktm.compiled_memory(model, 256, device=name, hlo_text=False,
+                                             callbacks=callbacks)
+            row[step] = dict(total=memory.total_bytes, temp=memory.temp_bytes,
+                             laid_out=memory.laid_out_bytes, refused=memory.refused,
+                             seconds=time.perf_counter() - started)
+        row["params"] = sum(int(__import__("math").prod(v.shape)) for v in model.weights)
+        row["compiler"] = memory.compiler
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 PARTS = {"mlp": part_mlp, "mlp7b": lambda quick: part_mlp(quick, big=True),
-         "bert": part_bert, "decoder": part_decoder, "sharded": part_sharded}
+         "bert": part_bert, "decoder": part_decoder, "sharded": part_sharded,
+         "accumulation": part_accumulation}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -403,6 +455,24 @@ def markdown(rows: list[dict]) -> str:
                        f"of {_gib(r['capacity'])} | {rec} | {r['seconds']:.0f} | "
                        f"{r['rss_growth_gib']:.2f} GiB |")
         out.append("")
+    accumulation = [r for r in rows if r["part"] == "accumulation"]
+    if accumulation:
+        out += ["| MLP (ShardedDataParallel, batch 256) | slice | whole weights | "
+                "GradientAccumulation(4), as fit runs it | the same in the engine's shard_map "
+                "loop | Keras' step, no accumulation |", "|---|---|---|---|---|---|"]
+
+        def cell(r, step):
+            m = r[step]
+            if m["refused"]:
+                return f"{_gib(m['total'])} GiB: refused by XLA:TPU"
+            return f"{_gib(m['total'])} GiB (laid out {_gib(m['laid_out'])})"
+
+        for r in accumulation:
+            out.append(f"| {r['depth']} x Dense({r['width']}), {r['params'] / 1e9:.2f}B | "
+                       f"{r['slice']} | {_gib(4 * r['params'])} GiB | "
+                       f"{cell(r, 'partitioned')} | {cell(r, 'shard_map')} | "
+                       f"{cell(r, 'keras')} |")
+        out.append("")
     sharded = [r for r in rows if r["part"] == "sharded"]
     if sharded:
         out += ["| step (ShardedDataParallel) | slice | per-chip total | temporaries | "
@@ -417,7 +487,8 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="mlp,bert,decoder,sharded",
-                        help="comma-separated: mlp, mlp7b, bert, decoder, sharded")
+                        help="comma-separated: mlp, mlp7b, bert, decoder, sharded, "
+                             "accumulation")
     parser.add_argument("--quick", action="store_true",
                         help="small shapes (a smoke run, not the docs' table)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")

@@ -83,6 +83,43 @@ def test_sharded_fit_matches_data_parallel(reference, mode, how):
     _check(model, history, reference, sharded_weights=mode == "all")
 
 
+def test_micro_batches_take_their_rows_from_every_device():
+    """16 rows over 2 devices (rows 0-7, 8-15) as 4 micro-batches: the j-th holds the
+    j-th pair of each device's rows, as each device's own loop would take them."""
+    from keras_tpu_mem.backends.jax.gradients import micro_batches
+
+    rows = np.arange(32).reshape(16, 2)
+    got = np.asarray(micro_batches(rows, 4, devices=2))
+    want = np.stack([np.concatenate([rows[2 * j:2 * j + 2], rows[8 + 2 * j:8 + 2 * j + 2]])
+                     for j in range(4)])
+    np.testing.assert_array_equal(got, want)
+    # One device: the rows split in order.
+    np.testing.assert_array_equal(np.asarray(micro_batches(rows, 4)), rows.reshape(4, 4, 2))
+
+
+@pytest.mark.parametrize("mode", ["all", "optimizer"])
+def test_accumulation_left_to_the_partitioner_matches_data_parallel(reference, mode,
+                                                                    monkeypatch):
+    """On a TPU mesh (`layout.partitioner_shards_state`) the accumulation loop under split
+    state runs on the global arrays, each micro-batch over every device, left to XLA's
+    partitioner. Forced here on the 8 host devices: the weights and logs of a plain
+    `DataParallel` fit (what XLA:TPU holds per chip: test_planning_target_jax.py)."""
+    from keras_tpu_mem.backends.jax import gradients, reducers
+
+    monkeypatch.setattr(reducers, "partitioner_shards_state", lambda distribution=None: True)
+    loops = []
+    loop = gradients.LocalGradients.micro_batch_loop
+
+    def recorded(self, *args, **kwargs):
+        loops.append(kwargs.get("devices", 1))
+        return loop(self, *args, **kwargs)
+
+    monkeypatch.setattr(gradients.LocalGradients, "micro_batch_loop", recorded)
+    model, history = _fit(Sharded(mode), mode=mode, callbacks=[GradientAccumulation(4)])
+    assert loops and set(loops) == {8}  # on the global arrays, over the 8 devices' rows
+    _check(model, history, reference, sharded_weights=mode == "all")
+
+
 @pytest.mark.parametrize("steps", [1, 4])
 def test_layout_map_on_a_2x4_mesh(reference, steps):
     """Kernels split over "model" by a LayoutMap, the rest over "batch" (automatic

@@ -171,15 +171,17 @@ class LocalGradients:
         return Local(grads, list(aux.non_trainable), metrics_vars, updated)
 
     def micro_batch_loop(self, state: TrainState, batch: Batch, num_micro, feature_state,
-                         gather=None) -> Local:
+                         gather=None, devices: int = 1) -> Local:
         """Sum of the micro-batch gradients of `batch` (its rows, split in order, one
         micro-batch at a time in a `lax.scan`), with the non-trainable and metric state
         threaded through the loop (`gather`: whole weights from the `trainable` given,
-        which the gradients are of)."""
+        which the gradients are of). `devices`: global arrays whose rows lie over that
+        many devices, in blocks: each micro-batch takes its rows from every block
+        (`micro_batches`), so it lies over all of them as the batch does."""
         updated = [False] * len(state.non_trainable)
         grad_fn = self.value_and_grad(gather)
         micro = jax.tree_util.tree_map(
-            lambda t: t.reshape(num_micro, t.shape[0] // num_micro, *t.shape[1:]), batch)
+            lambda t: micro_batches(t, num_micro, devices), batch)
 
         def body(carry, micro_batch):
             sums, non_trainable, metrics_vars = carry
@@ -198,4 +200,16 @@ class LocalGradients:
         return Local(sums, non_trainable, metrics_vars, updated)
 
 
-__all__ = ["Batch", "Local", "LocalGradients", "LossAux", "TrainState"]
+def micro_batches(rows, num_micro: int, devices: int = 1):
+    """`rows` as `num_micro` micro-batches along a new first axis: the j-th holds the
+    j-th of `num_micro` equal runs of each of `devices` equal blocks of rows, blocks in
+    order. One block: the rows split in order. Over the blocks a device each (a batch
+    split over the batch axis), each micro-batch lies over every device, as each
+    device's own loop in a `shard_map` would take it; split in order instead, a
+    micro-batch would lie on a few devices only."""
+    size = rows.shape[0] // (devices * num_micro)
+    blocks = rows.reshape(devices, num_micro, size, *rows.shape[1:])
+    return jnp.swapaxes(blocks, 0, 1).reshape(num_micro, devices * size, *rows.shape[1:])
+
+
+__all__ = ["Batch", "Local", "LocalGradients", "LossAux", "TrainState", "micro_batches"]

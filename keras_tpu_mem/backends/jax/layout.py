@@ -156,7 +156,7 @@ def make_state_layout(model, state_shardings, distribution=None):
 
 def partitioner_shards_state(distribution=None) -> bool:
     """Whether XLA's own SPMD partitioner is left the step of state split over the batch
-    axis when no feature needs the engine's step: on TPU meshes.
+    axis: on TPU meshes (`reducers.ShardedShardMap(partitioned=True)`).
 
     The engine's `shard_map` step exists because XLA:CPU all-reduces whole gradients
     even under sharding constraints (it has no reduce-scatter creator). XLA:TPU does
@@ -164,9 +164,9 @@ def partitioner_shards_state(distribution=None) -> bool:
     MLP with Adam under `ShardedDataParallel()` on v5e-8 (global batch 256), Keras' own
     step compiled by XLA:TPU holds 332 MiB per chip against 811 MiB for the engine's
     `shard_map` step (`benchmarks/tpu_plans.py`, docs/sharding.md). With
-    `GradientAccumulation(4)` the engine's step held 1.5% less than XLA:TPU's partitioning
-    of its scan, so a step with features stays the engine's. GPUs: not measured; the
-    engine's step, as before.
+    `GradientAccumulation(4)`, the micro-batch loop on the global arrays (each
+    micro-batch over every chip) holds 0.47 against 1.06 GiB for the engine's loop,
+    which gathers every weight whole. GPUs: not measured; the engine's step, as before.
     """
     if distribution is None:
         distribution = keras.distribution.distribution()

@@ -15,9 +15,11 @@ gradient of each update (`gradients`) or of each pulled micro-batch
   plain `scan` over the global array XLA puts the all-reduce inside the loop
   body (one per micro-batch). One micro-batch is Keras' own step: XLA's
   partitioner inserts its one all-reduce.
-* `ShardedShardMap` (FSDP / ZeRO, `layout.StateLayout`): on a TPU mesh one
-  micro-batch is Keras' step left to XLA:TPU's partitioner; else the gradient inside
-  `shard_map` too, each sharded weight `all_gather`ed where the loss uses it so
+* `ShardedShardMap` (FSDP / ZeRO, `layout.StateLayout`): on a TPU mesh the step on
+  global arrays is left to XLA:TPU's partitioner, which gathers each weight where a
+  (micro-)batch uses it: Keras' own step at one micro-batch, the micro-batch loop at
+  more (each micro-batch over every device, `gradients.micro_batches`); elsewhere the
+  gradient inside `shard_map` too, each sharded weight `all_gather`ed where the loss uses it so
   that its gradient is the transpose, a reduce-scatter into the slice; a
   replicated weight whose optimizer slots are sharded has its gradient
   reduce-scattered into the slots' sharding; any other gradient is `psum`med.
@@ -261,20 +263,24 @@ class ShardedShardMap(_InShardMap):
             rule `choose_reducer` applies.
     """
 
-    def __init__(self, model, layout, scatter_in_loop: bool,
-                 partitions_one_batch: bool = False):
+    def __init__(self, model, layout, scatter_in_loop: bool, partitioned: bool = False):
         self.model = model
         self.layout = layout
         self.shards = layout.shards
         self.scatter_in_loop = scatter_in_loop
-        self.partitions_one_batch = partitions_one_batch
+        self.partitioned = partitioned
 
     def gradients(self, local, state, batch, num_micro, feature_state) -> Reduced:
-        if num_micro == 1 and self.partitions_one_batch:
-            # A TPU mesh: XLA:TPU's partitioner gathers and reduce-scatters Keras' own
-            # step (with its features) where it schedules them, holding a fraction of
-            # what this `shard_map` step's whole gathered weights hold.
-            return keras_step(local, state, batch, feature_state)
+        if self.partitioned:
+            # A TPU mesh: XLA:TPU's partitioner gathers each weight where a micro-batch
+            # uses it and reduce-scatters its gradient, holding a fraction of what the
+            # `shard_map` loop's whole gathered weights hold (2.15B MLP, 4 micro-batches
+            # on v5e-8: 9.17 against 15.04 GiB per chip; Keras' step alone: 6.76).
+            if num_micro == 1:
+                return keras_step(local, state, batch, feature_state)
+            out = local.micro_batch_loop(state, batch, num_micro, feature_state,
+                                         devices=self.shards)
+            return Reduced(out.grads, out.non_trainable, out.metrics)
         return super().gradients(local, state, batch, num_micro, feature_state)
 
     def accumulators(self) -> list:
@@ -325,7 +331,9 @@ class ShardedShardMap(_InShardMap):
 
 
 def scatters_in_loop(distribution=None) -> bool:
-    """Whether `ShardedShardMap` scatters every micro-batch's gradient: not on a TPU mesh.
+    """Whether `ShardedShardMap`'s `shard_map` loop scatters every micro-batch's
+    gradient: not on a TPU mesh (where `fit` runs that loop only inside
+    `in_shard_map()`; its micro-batch loop is XLA:TPU's partitioner's).
 
     XLA:TPU's compile of 8 x Dense(8192) with Adam under `ShardedDataParallel()` on
     v5e-16, `GradientAccumulation(2)` and `(4)`, held 4.50 GiB per chip scattering in
@@ -343,9 +351,9 @@ _SHARD_MAP_ONLY = [False]
 
 @contextlib.contextmanager
 def in_shard_map():
-    """Steps built in the block reduce split state in the engine's `shard_map` at one
-    micro-batch too, where on a TPU mesh XLA:TPU's partitioner would take Keras' step
-    (`compiled.prepare_step(keras_step=False)`: the two compared)."""
+    """Steps built in the block reduce split state in the engine's `shard_map`, where on
+    a TPU mesh XLA:TPU's partitioner would take Keras' step or the micro-batch loop on
+    global arrays (`compiled.prepare_step(keras_step=False)`: the two compared)."""
     previous = _SHARD_MAP_ONLY[0]
     _SHARD_MAP_ONLY[0] = True
     try:
@@ -356,14 +364,14 @@ def in_shard_map():
 
 def choose_reducer(model, layout, shards: int):
     """The reducer of a step built now: `ShardedShardMap` for a `layout` (state split
-    over the batch axis; on a TPU mesh one micro-batch is Keras' step, partitioned by
-    XLA:TPU, with or without features: 134 against 294 MiB per chip for 4 x Dense(4096)
-    with `MixedBFloat16` on v5e-8), `ReplicatedShardMap` for replicated state over more
-    than one data-parallel device, else `Spmd`."""
+    over the batch axis; on a TPU mesh partitioned by XLA:TPU, with or without features:
+    134 against 294 MiB per chip for 4 x Dense(4096) with `MixedBFloat16` on v5e-8),
+    `ReplicatedShardMap` for replicated state over more than one data-parallel device,
+    else `Spmd`."""
     if layout is not None:
         return ShardedShardMap(
             model, layout, scatter_in_loop=scatters_in_loop(),
-            partitions_one_batch=partitioner_shards_state() and not _SHARD_MAP_ONLY[0])
+            partitioned=partitioner_shards_state() and not _SHARD_MAP_ONLY[0])
     if shards > 1:
         return ReplicatedShardMap(model, shards)
     return Spmd(model)
