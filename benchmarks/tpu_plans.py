@@ -360,13 +360,67 @@ def part_mlp(quick: bool, big: bool = False) -> list[dict]:
     return rows
 
 
+def _pulled_step_memory(model, name: str, micro: int, k: int = 4) -> int:
+    """XLA:TPU's per-chip total of the applying step of `GradientAccumulation(k,
+    dataset_yields="micro_batches")` (one pulled micro-batch of `micro` rows, then the
+    update) under the active distribution, jitted as `fit` jits it (state and
+    accumulators donated, their shardings kept). `plan` compiles global batches only, so
+    this goes through the planner's targeting and the JAX step's own pieces."""
+    import functools
+
+    import jax
+    import keras
+
+    import keras_tpu_mem as ktm
+    from keras_tpu_mem._compat import jax as jax_compat
+    from keras_tpu_mem.backends.jax import compiled, pulled, tpu_topology
+    from keras_tpu_mem.backends.jax.gradients import LocalGradients
+    from keras_tpu_mem.backends.jax.layout import make_state_layout
+    from keras_tpu_mem.backends.jax.reducers import PER_DEVICE
+    from keras_tpu_mem.engine.compile import compile_context
+    from keras_tpu_mem.planning.compiled import Compiler
+    from keras_tpu_mem.planning.target import resolve
+
+    target, _ = resolve(name, "tpu", "tpu_plans")
+    compiler = Compiler(model, what="tpu_plans", target=target)
+    with compiler.targeting():
+        compiler.compile_global(micro)  # builds the state the compile needs
+        host = compiler.model
+        distribution = compiled._distribution()
+        state = compiled._state_structs(host, distribution)
+        state_shardings = jax.tree_util.tree_map(lambda s: s.sharding, state)
+        xs, ys = compiler.specs(micro)
+        batch = compiled._batch_structs(distribution, xs, ys)
+        feature = ktm.GradientAccumulation(k, dataset_yields="micro_batches")
+        with compile_context(host, [feature]) as step:
+            reducer = step._reducer(make_state_layout(host, state_shardings))
+            shardings = pulled.accumulator_shardings(host, reducer)
+            accumulators = [
+                jax.ShapeDtypeStruct(((reducer.shards,) if where == PER_DEVICE else ())
+                                     + tuple(v.shape),
+                                     keras.backend.standardize_dtype(v.dtype), sharding=s)
+                for v, where, s in zip(host.trainable_variables, reducer.accumulators(),
+                                       shardings)]
+            apply = functools.partial(step._pulled_step, LocalGradients(host, step.features),
+                                      reducer, k, True)
+            lowered = jax.jit(apply, donate_argnums=(0, 1),
+                              out_shardings=(None, tuple(state_shardings), shardings)
+                              ).lower(state, accumulators, batch)
+            stats = jax_compat.memory_analysis(jax_compat.compile_for_memory(
+                lowered, "TPU", tpu_topology.compile_options()))
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
 def part_accumulation(quick: bool) -> list[dict]:
     """`GradientAccumulation(4)` under `ShardedDataParallel()` (global batch 256, MLPs built
     shapes-only, compiled against the whole chip): the micro-batch loop as `fit` runs it
     on a TPU mesh (on the global arrays, each micro-batch over every chip, left to
     XLA:TPU's partitioner), the engine's `shard_map` loop (`reducers.in_shard_map()`:
     every weight gathered whole for the step), and Keras' own step without
-    accumulation. A step XLA:TPU refuses is shown with the bytes its refusal names."""
+    accumulation; below the 6.71B MLP also the applying step of pulled micro-batches of
+    64 (`dataset_yields="micro_batches"`) both ways. A step XLA:TPU refuses is shown
+    with the bytes its refusal names."""
     import contextlib
 
     import jax
@@ -401,6 +455,11 @@ def part_accumulation(quick: bool) -> list[dict]:
             row[step] = dict(total=memory.total_bytes, temp=memory.temp_bytes,
                              laid_out=memory.laid_out_bytes, refused=memory.refused,
                              seconds=time.perf_counter() - started)
+            if step != "keras" and depth < 100:
+                # Pulled micro-batches of 64 (Keras' convention): the applying step.
+                with distribution.scope(), (reducers.in_shard_map() if step == "shard_map"
+                                            else contextlib.nullcontext()):
+                    row[step]["pulled"] = _pulled_step_memory(model, name, 64)
         row["params"] = sum(int(__import__("math").prod(v.shape)) for v in model.weights)
         row["compiler"] = memory.compiler
         rows.append(row)
@@ -472,6 +531,13 @@ def markdown(rows: list[dict]) -> str:
                        f"{r['slice']} | {_gib(4 * r['params'])} GiB | "
                        f"{cell(r, 'partitioned')} | {cell(r, 'shard_map')} | "
                        f"{cell(r, 'keras')} |")
+        out += ["", "| MLP | slice | pulled micro-batch of 64, applying step: as fit runs it "
+                "| in the engine's shard_map step |", "|---|---|---|---|"]
+        for r in accumulation:
+            if "pulled" in r["partitioned"]:
+                out.append(f"| {r['depth']} x Dense({r['width']}) | {r['slice']} | "
+                           f"{_gib(r['partitioned']['pulled'])} GiB | "
+                           f"{_gib(r['shard_map']['pulled'])} GiB |")
         out.append("")
     sharded = [r for r in rows if r["part"] == "sharded"]
     if sharded:

@@ -98,25 +98,39 @@ def test_micro_batches_take_their_rows_from_every_device():
 
 
 @pytest.mark.parametrize("mode", ["all", "optimizer"])
-def test_accumulation_left_to_the_partitioner_matches_data_parallel(reference, mode,
+@pytest.mark.parametrize("how", ["ga4", "ga4_pulled"])
+def test_accumulation_left_to_the_partitioner_matches_data_parallel(reference, mode, how,
                                                                     monkeypatch):
-    """On a TPU mesh (`layout.partitioner_shards_state`) the accumulation loop under split
-    state runs on the global arrays, each micro-batch over every device, left to XLA's
-    partitioner. Forced here on the 8 host devices: the weights and logs of a plain
-    `DataParallel` fit (what XLA:TPU holds per chip: test_planning_target_jax.py)."""
+    """On a TPU mesh (`layout.partitioner_shards_state`) accumulation under split state
+    runs on the global arrays, left to XLA's partitioner: the micro-batch loop with each
+    micro-batch over every device, or each pulled micro-batch as Keras' step takes it,
+    into accumulators split like the gradients. Forced here on the 8 host devices: the
+    weights and logs of a plain `DataParallel` fit (what XLA:TPU holds per chip:
+    test_planning_target_jax.py)."""
     from keras_tpu_mem.backends.jax import gradients, reducers
 
     monkeypatch.setattr(reducers, "partitioner_shards_state", lambda distribution=None: True)
-    loops = []
-    loop = gradients.LocalGradients.micro_batch_loop
+    calls = []
+    loop, pulled = gradients.LocalGradients.micro_batch_loop, reducers.accumulate_global
 
-    def recorded(self, *args, **kwargs):
-        loops.append(kwargs.get("devices", 1))
+    def recorded_loop(self, *args, **kwargs):
+        calls.append(("loop", kwargs.get("devices", 1)))
         return loop(self, *args, **kwargs)
 
-    monkeypatch.setattr(gradients.LocalGradients, "micro_batch_loop", recorded)
-    model, history = _fit(Sharded(mode), mode=mode, callbacks=[GradientAccumulation(4)])
-    assert loops and set(loops) == {8}  # on the global arrays, over the 8 devices' rows
+    def recorded_pulled(*args):
+        calls.append(("pulled", None))
+        return pulled(*args)
+
+    monkeypatch.setattr(gradients.LocalGradients, "micro_batch_loop", recorded_loop)
+    monkeypatch.setattr(reducers, "accumulate_global", recorded_pulled)
+    if how == "ga4":
+        kwargs = dict(callbacks=[GradientAccumulation(4)])
+    else:  # Keras' convention: the data yields micro-batches of 8, 4 make one update of 32
+        kwargs = dict(callbacks=[GradientAccumulation(4, dataset_yields="micro_batches")],
+                      batch_size=8)
+    model, history = _fit(Sharded(mode), mode=mode, **kwargs)
+    # On the global arrays: the loop over the 8 devices' rows, or each pulled micro-batch.
+    assert set(calls) == ({("loop", 8)} if how == "ga4" else {("pulled", None)})
     _check(model, history, reference, sharded_weights=mode == "all")
 
 

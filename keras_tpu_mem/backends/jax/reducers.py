@@ -121,15 +121,22 @@ class Spmd:
 
     def accumulate(self, local, state, accumulators, batch, k, apply,
                    feature_state) -> Accumulated:
-        out = local.one_batch(state, batch, k, feature_state)
-        sums = [a + g.astype(a.dtype) for a, g in zip(accumulators, out.grads)]
-        if apply:
-            return Accumulated(sums, [jnp.zeros_like(a) for a in sums], out.non_trainable,
-                               out.metrics)
-        return Accumulated([], sums, out.non_trainable, out.metrics)
+        return accumulate_global(local, state, accumulators, batch, k, apply, feature_state)
 
     def accumulators(self) -> list:
         return [None] * len(self.model.trainable_variables)
+
+
+def accumulate_global(local, state, accumulators, batch, k, apply,
+                      feature_state) -> Accumulated:
+    """One pulled micro-batch on global arrays: its gradient added to the accumulators
+    (any reduction is XLA's partitioner's); with `apply`, their sums and zeros."""
+    out = local.one_batch(state, batch, k, feature_state)
+    sums = [a + g.astype(a.dtype) for a, g in zip(accumulators, out.grads)]
+    if apply:
+        return Accumulated(sums, [jnp.zeros_like(a) for a in sums], out.non_trainable,
+                           out.metrics)
+    return Accumulated([], sums, out.non_trainable, out.metrics)
 
 
 class _InShardMap:
@@ -283,7 +290,18 @@ class ShardedShardMap(_InShardMap):
             return Reduced(out.grads, out.non_trainable, out.metrics)
         return super().gradients(local, state, batch, num_micro, feature_state)
 
+    def accumulate(self, local, state, accumulators, batch, k, apply,
+                   feature_state) -> Accumulated:
+        if self.partitioned:  # a pulled micro-batch as Keras' step takes one
+            return accumulate_global(local, state, accumulators, batch, k, apply,
+                                     feature_state)
+        return super().accumulate(local, state, accumulators, batch, k, apply, feature_state)
+
     def accumulators(self) -> list:
+        if self.partitioned:
+            # Global arrays split as each gradient is reduce-scattered (a weight with no
+            # such dimension: as the weight).
+            return list(self.layout.grad_dims)
         return [PER_DEVICE if d is None else d for d in self.layout.grad_dims]
 
     # ---------------------------------------- the shard_map's parts (see below)
