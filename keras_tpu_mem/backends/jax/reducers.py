@@ -268,6 +268,10 @@ class ShardedShardMap(_InShardMap):
             (whole gradient sums alive through the loop: 0.55x of `DataParallel`
             against 0.38x on XLA:CPU, docs/engine.md). `scatters_in_loop()` is the
             rule `choose_reducer` applies.
+        partitioned: Leave the step on the global arrays to XLA's partitioner (a TPU
+            mesh, `layout.partitioner_shards_state`): Keras' step at one micro-batch,
+            the micro-batch loop at more, each pulled micro-batch into accumulators
+            split like the gradients; no `shard_map`.
     """
 
     def __init__(self, model, layout, scatter_in_loop: bool, partitioned: bool = False):
