@@ -281,22 +281,14 @@ def part_sharded(quick: bool) -> list[dict]:
     """The engine's shard_map step (what `fit` runs under ShardedDataParallel) against
     Keras' own train step on the same layouts, partitioned by XLA:TPU's SPMD pass."""
     import jax
-    import keras
 
-    import keras_tpu_mem as ktm
     from keras_tpu_mem.sharding import ShardedDataParallel
 
     rows = []
     width, depth = (1024, 4) if quick else (4096, 8)
     for name in ("v5e-8",):
         distribution = ShardedDataParallel(devices=jax.devices()[:8])
-        with distribution.scope(), ktm.shapes_only():
-            model = keras.Sequential(
-                [keras.Input((width,))]
-                + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-                + [keras.layers.Dense(16)])
-            model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True))
+        model = _relu_mlp(width, depth, distribution)
         from keras_tpu_mem.planning.compiled import step_memory
 
         with distribution.scope():
@@ -312,6 +304,26 @@ def part_sharded(quick: bool) -> list[dict]:
     return rows
 
 
+def _relu_mlp(width: int, depth: int, distribution=None):
+    """`depth` x Dense(`width`, relu) -> Dense(16), Adam, sparse cross-entropy on logits,
+    built shapes-only (no weight allocated), in `distribution`'s scope where given."""
+    import contextlib
+
+    import keras
+
+    import keras_tpu_mem as ktm
+
+    with (distribution.scope() if distribution is not None else contextlib.nullcontext()), \
+            ktm.shapes_only():
+        model = keras.Sequential(
+            [keras.Input((width,))]
+            + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+            + [keras.layers.Dense(16)])
+        model.compile(optimizer=keras.optimizers.Adam(),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
 def part_mlp(quick: bool, big: bool = False) -> list[dict]:
     """The issue's MLPs: 0.54B (8 x Dense(8192), Adam, global batch 256) planned on v5e-8
     (`mlp`), and 6.71B (100 x Dense(8192)) searched on v5e-16 (`mlp7b`: sharding,
@@ -319,7 +331,6 @@ def part_mlp(quick: bool, big: bool = False) -> list[dict]:
     Host RSS growth: the process's peak at the end less its resident memory after Keras
     and JAX were imported (libtpu's load and every compile included); run each part in
     its own process for its own peak."""
-    import keras
 
     import keras_tpu_mem as ktm
 
@@ -329,13 +340,7 @@ def part_mlp(quick: bool, big: bool = False) -> list[dict]:
     for label, depth, name, search in cases:
         rss_before = _current_rss_gib()
         started = time.perf_counter()
-        with ktm.shapes_only():
-            model = keras.Sequential(
-                [keras.Input((8192,))]
-                + [keras.layers.Dense(8192, activation="relu") for _ in range(depth)]
-                + [keras.layers.Dense(16)])
-            model.compile(optimizer=keras.optimizers.Adam(),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model = _relu_mlp(8192, depth)
         planned = ktm.plan(model, 256, device=name, search=search, by_layer=False,
                            headroom=HEADROOM)
         seconds = time.perf_counter() - started
@@ -424,7 +429,6 @@ def part_accumulation(quick: bool) -> list[dict]:
     import contextlib
 
     import jax
-    import keras
 
     import keras_tpu_mem as ktm
     from keras_tpu_mem.backends.jax import reducers
@@ -439,13 +443,7 @@ def part_accumulation(quick: bool) -> list[dict]:
         row = dict(part="accumulation", width=width, depth=depth, slice=name)
         for step in ("partitioned", "shard_map", "keras"):
             # A model each: the compile cache keys on the step and layouts, not the loop.
-            with distribution.scope(), ktm.shapes_only():
-                model = keras.Sequential(
-                    [keras.Input((width,))]
-                    + [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-                    + [keras.layers.Dense(16)])
-                model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True))
+            model = _relu_mlp(width, depth, distribution)
             callbacks = [] if step == "keras" else [ktm.GradientAccumulation(4)]
             started = time.perf_counter()
             with distribution.scope(), (reducers.in_shard_map() if step == "shard_map"
