@@ -370,18 +370,13 @@ def _pulled_step_memory(model, name: str, micro: int, k: int = 4) -> int:
     dataset_yields="micro_batches")` (one pulled micro-batch of `micro` rows, then the
     update) under the active distribution, jitted as `fit` jits it (state and
     accumulators donated, their shardings kept). `plan` compiles global batches only, so
-    this goes through the planner's targeting and the JAX step's own pieces."""
-    import functools
-
+    this goes through the planner's targeting and the JAX step's `make_pulled_steps`."""
     import jax
     import keras
 
     import keras_tpu_mem as ktm
     from keras_tpu_mem._compat import jax as jax_compat
     from keras_tpu_mem.backends.jax import compiled, pulled, tpu_topology
-    from keras_tpu_mem.backends.jax.gradients import LocalGradients
-    from keras_tpu_mem.backends.jax.layout import make_state_layout
-    from keras_tpu_mem.backends.jax.reducers import PER_DEVICE
     from keras_tpu_mem.engine.compile import compile_context
     from keras_tpu_mem.planning.compiled import Compiler
     from keras_tpu_mem.planning.target import resolve
@@ -398,17 +393,15 @@ def _pulled_step_memory(model, name: str, micro: int, k: int = 4) -> int:
         batch = compiled._batch_structs(distribution, xs, ys)
         feature = ktm.GradientAccumulation(k, dataset_yields="micro_batches")
         with compile_context(host, [feature]) as step:
-            reducer = step._reducer(make_state_layout(host, state_shardings))
+            steps, reducer = step.make_pulled_steps(k, jit=False,
+                                                    state_shardings=state_shardings)
             shardings = pulled.accumulator_shardings(host, reducer)
             accumulators = [
-                jax.ShapeDtypeStruct(((reducer.shards,) if where == PER_DEVICE else ())
-                                     + tuple(v.shape),
-                                     keras.backend.standardize_dtype(v.dtype), sharding=s)
-                for v, where, s in zip(host.trainable_variables, reducer.accumulators(),
-                                       shardings)]
-            apply = functools.partial(step._pulled_step, LocalGradients(host, step.features),
-                                      reducer, k, True)
-            lowered = jax.jit(apply, donate_argnums=(0, 1),
+                jax.ShapeDtypeStruct(shape, keras.backend.standardize_dtype(v.dtype),
+                                     sharding=s)
+                for v, shape, s in zip(host.trainable_variables,
+                                       pulled.accumulator_shapes(host, reducer), shardings)]
+            lowered = jax.jit(steps[True], donate_argnums=(0, 1),
                               out_shardings=(None, tuple(state_shardings), shardings)
                               ).lower(state, accumulators, batch)
             stats = jax_compat.memory_analysis(jax_compat.compile_for_memory(

@@ -52,14 +52,18 @@ def accumulator_shardings(model, reducer):
     return shardings
 
 
+def accumulator_shapes(model, reducer) -> list:
+    """Each accumulator's shape: its weight's, with a leading per-device axis where
+    `reducer.accumulators()` says `PER_DEVICE`."""
+    return [((reducer.shards,) if where == PER_DEVICE else ()) + tuple(variable.shape)
+            for variable, where in zip(model.trainable_variables, reducer.accumulators())]
+
+
 def zero_accumulators(model, reducer, shardings=None) -> list:
     """Fresh zero accumulators, one per trainable weight (see `accumulator_shardings`)."""
     zeros = []
-    for i, (variable, where) in enumerate(zip(model.trainable_variables,
-                                              reducer.accumulators())):
-        shape = tuple(variable.shape)
-        if where == PER_DEVICE:
-            shape = (reducer.shards, *shape)
+    for i, (variable, shape) in enumerate(zip(model.trainable_variables,
+                                              accumulator_shapes(model, reducer))):
         value = jnp.zeros(shape, variable.dtype)
         if shardings is not None:
             value = jax.device_put(value, shardings[i])

@@ -114,10 +114,7 @@ class Spmd:
         self.model = model
 
     def gradients(self, local, state, batch, num_micro, feature_state) -> Reduced:
-        if num_micro == 1:
-            return keras_step(local, state, batch, feature_state)
-        out = local.micro_batch_loop(state, batch, num_micro, feature_state)
-        return Reduced(out.grads, out.non_trainable, out.metrics)
+        return gradients_global(local, state, batch, num_micro, feature_state)
 
     def accumulate(self, local, state, accumulators, batch, k, apply,
                    feature_state) -> Accumulated:
@@ -125,6 +122,17 @@ class Spmd:
 
     def accumulators(self) -> list:
         return [None] * len(self.model.trainable_variables)
+
+
+def gradients_global(local, state, batch, num_micro, feature_state,
+                     devices: int = 1) -> Reduced:
+    """An update's gradient on global arrays (any reduction is XLA's partitioner's):
+    Keras' own step at one micro-batch, else the micro-batch loop, each micro-batch
+    taking its rows from each of `devices` blocks (`gradients.micro_batches`)."""
+    if num_micro == 1:
+        return keras_step(local, state, batch, feature_state)
+    out = local.micro_batch_loop(state, batch, num_micro, feature_state, devices=devices)
+    return Reduced(out.grads, out.non_trainable, out.metrics)
 
 
 def accumulate_global(local, state, accumulators, batch, k, apply,
@@ -287,11 +295,8 @@ class ShardedShardMap(_InShardMap):
             # uses it and reduce-scatters its gradient, holding a fraction of what the
             # `shard_map` loop's whole gathered weights hold (2.15B MLP, 4 micro-batches
             # on v5e-8: 9.17 against 15.04 GiB per chip; Keras' step alone: 6.76).
-            if num_micro == 1:
-                return keras_step(local, state, batch, feature_state)
-            out = local.micro_batch_loop(state, batch, num_micro, feature_state,
-                                         devices=self.shards)
-            return Reduced(out.grads, out.non_trainable, out.metrics)
+            return gradients_global(local, state, batch, num_micro, feature_state,
+                                    devices=self.shards)
         return super().gradients(local, state, batch, num_micro, feature_state)
 
     def accumulate(self, local, state, accumulators, batch, k, apply,

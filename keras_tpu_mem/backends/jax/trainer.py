@@ -446,11 +446,14 @@ class Step:
             return step
         return jax.jit(step, donate_argnums=0, out_shardings=self._out_shardings(quiet=quiet))
 
-    def make_pulled_steps(self, k: int, jit: bool = True):
+    def make_pulled_steps(self, k: int, jit: bool = True, state_shardings=None):
         """`({False: accumulating step, True: applying step}, reducer)` of
         `_pulled_step`, jitted with `donate_argnums=(0, 1)` (state and accumulators)
-        unless `jit=False`."""
-        reducer = self._reducer(model_state_layout(self.model))
+        unless `jit=False`. The reducer is chosen from the state's layout, read from
+        `state_shardings` where given (as `make_step`), else from the variables' values."""
+        layout = (model_state_layout(self.model) if state_shardings is None
+                  else make_state_layout(self.model, state_shardings))
+        reducer = self._reducer(layout)
         local = LocalGradients(self.model, self.features)
         steps = {apply: functools.partial(self._pulled_step, local, reducer, k, apply)
                  for apply in (False, True)}
