@@ -17,6 +17,12 @@ sequences) 8 times, so an epoch is 1,120 and 64 updates.
                  through Orbax, as the processes of a pod whose state is split
                  over them write (asynchronous; needs orbax-checkpoint). Not in
                  the default set: `--configs none,async/20,orbax/20`.
+* `async/epoch`  `ResumableCheckpoint(every=10**9)`: the epoch-end save only,
+                 so the callback's per-batch cost (its hook, the engine's train
+                 function) shows alone;
+* `hook`         an empty Keras callback with a batch hook (Keras' own
+                 per-batch cost of any such callback). Neither is in the default
+                 set.
 * `write:...`    where an asynchronous save's cost goes: `every=20` with the
                  writer thread's work replaced by `nothing` (the save's part on
                  the training thread alone), a 4 ms `sleep` (no CPU), 2 MB of
@@ -24,8 +30,11 @@ sequences) 8 times, so an epoch is 1,120 and 64 updates.
                  Python (`python`: CPU holding the lock); or the real write
                  changed, as tried and dropped (docs/resume.md): the arrays copied
                  into one buffer first, then one checksum and one write
-                 (`onebuffer`), its fsyncs skipped (`nosync`), or its thread under
-                 Linux's SCHED_IDLE policy (`idle`). Not in the default set:
+                 (`onebuffer`), its fsyncs skipped (`nosync`), its thread under
+                 Linux's SCHED_IDLE policy (`idle`); or as built before
+                 2026-12-06's last change: a new folder each save, the pruned one
+                 deleted (`fresh`).
+                 Not in the default set:
                  `--configs none,async/20,write:nothing,write:sleep,...`.
 
 Every configuration fits one warm-up epoch; then they take turns, one epoch
@@ -37,7 +46,8 @@ saves (the table says how many). The checkpoints go to a temporary directory
 on the local disk.
 
 `--write-cost SAVES` measures instead what one save of the digits MLP's state
-(about 1 MB) takes outside training, with and without its fsyncs: its thread's
+(about 1 MB) takes outside training, as built, without its fsyncs and with a new
+folder each save (the pruned one deleted, as before 2026-12-06): its thread's
 CPU, its wall time and the whole machine's CPU (the kernel's writeback too).
 
 Run:  python benchmarks/bench_resume.py [--models digits,encoder] [--rounds 7]
@@ -66,14 +76,18 @@ PROBES = {"nothing": "nothing written", "sleep": "a 4 ms sleep",
           "python": "1.5 ms of Python (the lock held)",
           "onebuffer": "the arrays copied into one buffer first",
           "nosync": "its fsyncs skipped",
-          "idle": "its thread under SCHED_IDLE"}
+          "idle": "its thread under SCHED_IDLE",
+          "fresh": "a new folder each time (the pruned one deleted, not written over)"}
 #: The `PROBES` that change the real write rather than replace it.
-CHANGES = ("onebuffer", "nosync", "idle")
-ALL_CONFIGS = (*CONFIGS, "orbax/20", *(f"write:{probe}" for probe in PROBES))
+CHANGES = ("onebuffer", "nosync", "idle", "fresh")
+ALL_CONFIGS = (*CONFIGS, "orbax/20", "async/epoch", "hook",
+               *(f"write:{probe}" for probe in PROBES))
 LABELS = {"none": "none", "async/20": "`ResumableCheckpoint(every=20)`",
           "sync/20": "`ResumableCheckpoint(every=20, asynchronous=False)`",
           "async/100": "`ResumableCheckpoint(every=100)`",
           "orbax/20": "`ResumableCheckpoint(every=20, orbax=True)`",
+          "async/epoch": "`ResumableCheckpoint(every=10**9)` (the epoch-end save only)",
+          "hook": "an empty Keras callback with a batch hook",
           **{f"write:{probe}": (f"`every=20`, the write with {label}" if probe in CHANGES
                                 else f"`every=20`, the writer's work replaced by {label}")
              for probe, label in PROBES.items()}}
@@ -85,9 +99,13 @@ def _writer_probe(probe: str | None, directory: str):
     as a change of, `store.write_checkpoint`'s; nothing changes for `None`."""
     from keras_tpu_mem.resume import store
 
-    saved = {name: getattr(store, name) for name in ("write_checkpoint", "_save_state")}
+    saved = {name: getattr(store, name)
+             for name in ("write_checkpoint", "_save_state", "prune")}
     fsync = os.fsync
-    if probe == "onebuffer":
+    if probe == "fresh":
+        prune = store.prune
+        store.prune = lambda directory, keep, recycle=False: prune(directory, keep)
+    elif probe == "onebuffer":
         store._save_state = _save_state_one_buffer
     elif probe == "nosync":
         os.fsync = lambda fd: None
@@ -191,10 +209,33 @@ def _model_and_data(name: str):
                                                               TILES[name]))
 
 
+def _batch_hook():
+    """An empty Keras callback with a batch hook (the `hook` configuration)."""
+    import keras
+
+    class BatchHook(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            pass
+    return BatchHook()
+
+
+def _callbacks(config: str, probe: str | None, directory: str) -> list:
+    """The callbacks of one configuration (`LABELS`)."""
+    from keras_tpu_mem import ResumableCheckpoint
+
+    if config == "none":
+        return []
+    if config == "hook":
+        return [_batch_hook()]
+    every = config.split("/")[-1] if "/" in config else "20"
+    return [ResumableCheckpoint(directory, every=10**9 if every == "epoch" else int(every),
+                                asynchronous=not config.startswith("sync"),
+                                orbax=True if config.startswith("orbax") else None)]
+
+
 def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
     import keras
 
-    from keras_tpu_mem import ResumableCheckpoint
 
     distribution = keras.distribution.DataParallel() if name == "encoder" else None
     scope = distribution.scope if distribution is not None else contextlib.nullcontext
@@ -213,10 +254,7 @@ def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
             model, x, y = runs[config]
             directory = os.path.join(root, name, config.replace("/", "_"), str(r))
             probe = config[len("write:"):] if config.startswith("write:") else None
-            callbacks = [] if config == "none" else [ResumableCheckpoint(
-                directory, every=20 if probe else int(config.split("/")[1]),
-                asynchronous=not config.startswith("sync"),
-                orbax=True if config.startswith("orbax") else None)]
+            callbacks = _callbacks(config, probe, directory)
             with scope(), _writer_probe(probe, directory):
                 start = time.perf_counter()
                 model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
@@ -254,11 +292,17 @@ def _machine_cpu_seconds() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle, iowait
 
 
+#: `write_cost`'s variants: the name it reports, the `_writer_probe` it runs under.
+WRITE_VARIANTS = {"synced": None, "not synced": "nosync",
+                  "synced, a new folder each save": "fresh"}
+
+
 def write_cost(saves: int, root: str) -> dict:
-    """The CPU one save of the digits MLP's state takes outside training, with and
-    without its fsyncs: `store.write_checkpoint` then `store.prune(keep=2)`, as the
-    writer thread runs them, `saves` times. Per save, in ms: the thread's own CPU, the
-    wall time, and the whole machine's CPU (Linux only: `/proc/stat`)."""
+    """The CPU one save of the digits MLP's state takes outside training:
+    `store.write_checkpoint` then `store.prune(keep=2, recycle=True)`, as the writer
+    thread runs them, `saves` times, as built, without its fsyncs, and with a new folder
+    each save (`WRITE_VARIANTS`). Per save, in ms: the thread's own CPU, the wall time,
+    and the whole machine's CPU (Linux only: `/proc/stat`)."""
     from keras_tpu_mem.resume import store
 
     model, (x, y) = _model_and_data("digits")
@@ -267,24 +311,23 @@ def write_cost(saves: int, root: str) -> dict:
               "optimizer": [(v.path, v.numpy()) for v in model.optimizer.variables]}
     results = {"state_bytes": sum(value.nbytes for pairs in groups.values()
                                   for _, value in pairs)}
-    for synced in (True, False, True, False):  # interleaved, each twice
+    for key, probe in [*WRITE_VARIANTS.items()] * 2:  # interleaved, each twice
         directory = tempfile.mkdtemp(dir=root)
         try:
-            with _writer_probe(None if synced else "nosync", directory):
+            with _writer_probe(probe, directory):
                 thread, wall = time.thread_time(), time.perf_counter()
                 machine = _machine_cpu_seconds()
                 for update in range(saves):
                     store.write_checkpoint(directory, update, groups, {"epoch": 0, "batch": 0})
-                    store.prune(directory, 2)
+                    store.prune(directory, 2, recycle=True)
                 row = {"thread_ms": time.thread_time() - thread,
                        "wall_ms": time.perf_counter() - wall,
                        "machine_ms": _machine_cpu_seconds() - machine}
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-        key = "synced" if synced else "not synced"
         for name, seconds in row.items():
             results.setdefault(key, {}).setdefault(name, []).append(1000 * seconds / saves)
-    for key in ("synced", "not synced"):
+    for key in WRITE_VARIANTS:
         results[key] = {name: statistics.median(values)
                         for name, values in results[key].items()}
     return results
@@ -299,7 +342,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="also write the results as JSON")
     parser.add_argument("--write-cost", type=int, default=0, metavar="SAVES",
                         help="instead: the CPU one save of the digits MLP's state takes "
-                             "outside training, with and without fsync, over SAVES saves")
+                             "outside training (as built, without fsync, with a new "
+                             "folder each save), over SAVES saves")
     args = parser.parse_args(argv)
     if args.write_cost:
         _setup()
@@ -309,7 +353,7 @@ def main(argv=None) -> int:
         finally:
             shutil.rmtree(root, ignore_errors=True)
         print(f"one save of {cost['state_bytes'] / 2**20:.2f} MiB (ms per save, medians of 2):")
-        for key in ("synced", "not synced"):
+        for key in WRITE_VARIANTS:
             print(f"  {key}: " + ", ".join(f"{name[:-3]} {value:.2f}"
                                            for name, value in cost[key].items()))
         if args.out:

@@ -143,6 +143,38 @@ def test_arrays_come_back_with_their_dtype_and_shape(tmp_path):
         assert written[entry["offset"]:entry["offset"] + len(raw)] == raw
 
 
+def test_a_pruned_checkpoints_folder_is_written_over_by_the_next_save(tmp_path):
+    """`prune(recycle=True)` keeps the folder it prunes as a hidden spare, which no
+    reader takes for a checkpoint; the next save writes over its `state.bin` in place
+    (the same file: its blocks reused) and cuts it to the new size."""
+    directory = str(tmp_path)
+    big = {"g": [("w", np.arange(4096, dtype="float32")), ("b", np.ones(7, "float64"))]}
+    small = {"g": [("w", np.full(3, 2.5, "float32"))]}
+    for update in (1, 2):
+        store.write_checkpoint(directory, update, big, {"epoch": 0, "batch": update})
+    store.prune(directory, 1, recycle=True)
+    assert sorted(os.listdir(tmp_path)) == [".spare", "update-000000002"]
+    assert [info.update for info in ktm.list_checkpoints(directory)] == [2]
+    spare_file = os.stat(tmp_path / ".spare" / "state.bin")
+    path = store.write_checkpoint(directory, 3, small, {"epoch": 0, "batch": 3})
+    assert sorted(os.listdir(tmp_path)) == ["update-000000002", "update-000000003"]
+    written = os.stat(os.path.join(path, "state.bin"))
+    assert (written.st_ino, written.st_dev) == (spare_file.st_ino, spare_file.st_dev)
+    info = store.read_info(path)
+    assert written.st_size == info.size_bytes == 12 < spare_file.st_size
+    np.testing.assert_array_equal(store.read_arrays(info)["g"][0][1], small["g"][0][1])
+    # Only a folder of exactly the two files a save writes is recycled (not one of
+    # Orbax's, not one holding anything else), and the spare is dropped at a fit's end.
+    os.makedirs(tmp_path / "update-000000001" / "state.orbax")
+    (tmp_path / "update-000000001" / "checkpoint.json").write_text("{}")
+    store.prune(directory, 2, recycle=True)
+    assert sorted(os.listdir(tmp_path)) == ["update-000000002", "update-000000003"]
+    store.prune(directory, 1, recycle=True)
+    assert sorted(os.listdir(tmp_path)) == [".spare", "update-000000003"]
+    store.drop_spare(directory)
+    assert sorted(os.listdir(tmp_path)) == ["update-000000003"]
+
+
 def test_a_checkpoint_of_the_second_format_is_checked_against_its_sha256(tmp_path, caplog):
     """Format 2 recorded a SHA-256 of `state.bin` (format 3: a CRC-32)."""
     arrays = {"g": [("w", np.arange(6, dtype="float32").reshape(2, 3))]}

@@ -626,6 +626,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         and at the start of the next where the last one ended in an error (Keras calls
         no `on_train_end` then)."""
         self._wait()
+        store.drop_spare(self.directory)  # the directory holds the checkpoints only
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
@@ -709,7 +710,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         started = time.perf_counter()
         try:
             path = write()
-            store.prune(self.directory, self.keep)
+            store.prune(self.directory, self.keep, recycle=True)
             logger.debug("ResumableCheckpoint: wrote %s in %.2f s.", path,
                          time.perf_counter() - started)
         except BaseException as err:  # raised on the training thread at the next save

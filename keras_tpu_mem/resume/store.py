@@ -13,7 +13,9 @@ A checkpoint is written into a hidden `.partial-update-…` folder and renamed
 into place once both files are on disk, so a process killed mid-save leaves a
 partial folder that no reader takes for a checkpoint; a folder whose files do
 not match their checksum (a corrupt disk, a copy cut short) is skipped for the
-previous complete one, with a warning naming it.
+previous complete one, with a warning naming it. The folder a prune drops is kept
+as a hidden `.spare` (no checkpoint to any reader) for the next save to write over
+in place (`prune(recycle=True)`), which costs the kernel less than a new file.
 
 Arrays are stored as bytes plus their dtype's name, so dtypes numpy's own
 format does not know (bfloat16) come back as they went in, bit for bit.
@@ -57,6 +59,8 @@ from keras_tpu_mem._utils import logger
 FORMAT_VERSION = 3
 _PREFIX = "update-"
 _PARTIAL = ".partial-"
+#: A pruned checkpoint's folder kept for the next save to rewrite in place (locally).
+_SPARE = ".spare"
 _META = "checkpoint.json"
 _STATE = "state.bin"
 _STATE_V1 = "state.npz"
@@ -149,20 +153,33 @@ def _rmtree(path: str) -> None:
         _files().rmtree(path)
 
 
-def _save_state(path: str, arrays: list) -> tuple[int, str]:
+def _save_state(path: str, arrays: list) -> tuple[int, int]:
     """Writes `arrays` (`(offset, 1-D uint8 array)` in offset order) into one file at
     `path`, zeros between them, synced; returns its `(size, CRC-32)`, computed as it is
-    written (nothing is read back)."""
+    written (nothing is read back). An existing file (a recycled folder's) is written
+    over in place and cut to size: its blocks are reused, which costs the kernel less
+    than allocating a new file's and freeing the pruned one's."""
     crc, size = 0, 0
-    with open(path, "wb") as handle:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
         for offset, data in arrays:
-            for chunk in (bytes(offset - size), memoryview(data)):
+            for at, chunk in ((size, bytes(offset - size)), (offset, data)):
                 crc = zlib.crc32(chunk, crc)
-                handle.write(chunk)
+                _write_at(fd, chunk, at)
             size = offset + data.nbytes
-        handle.flush()
-        os.fsync(handle.fileno())
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return size, crc
+
+
+def _write_at(fd: int, data, offset: int) -> None:
+    """All of `data` at `offset` (`os.pwrite` may write part of it)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
 
 
 def _open(path: str, mode: str):
@@ -193,11 +210,13 @@ def _update_of(name: str) -> int | None:
     return int(digits) if name.startswith(_PREFIX) and digits.isdigit() else None
 
 
-def staging_folder(directory: str, update: int, make: bool = True) -> str:
+def staging_folder(directory: str, update: int, make: bool = True,
+                   recycle: bool = False) -> str:
     """The folder a checkpoint's files are written into before `_commit`, made empty
     when `make` (by one process of a job): a hidden `.partial-` folder locally (renamed
     into place at the commit), the checkpoint's own folder remotely (complete once
-    `checkpoint.json` is in it)."""
+    `checkpoint.json` is in it). Locally with `recycle`, the folder `prune` kept of a
+    pruned checkpoint is renamed to it instead, its files to be written over."""
     remote = is_remote(directory)
     folder = os.path.join(directory, _name(update) if remote else _PARTIAL + _name(update))
     if make:
@@ -206,9 +225,25 @@ def staging_folder(directory: str, update: int, make: bool = True) -> str:
         _rmtree(folder)
         if remote:
             _files().makedirs(folder)
-        else:
+        elif not (recycle and _take_spare(directory, folder)):
             os.makedirs(folder)  # and the directory, the first time
     return folder
+
+
+def _take_spare(directory: str, folder: str) -> bool:
+    """Renames the spare folder (`prune(recycle=True)`) to `folder`; False if none."""
+    try:
+        os.replace(os.path.join(directory, _SPARE), folder)
+    except OSError:  # none (the first saves), or a folder left in its place
+        return False
+    return True
+
+
+def drop_spare(directory: str) -> None:
+    """Deletes the spare folder `prune(recycle=True)` kept, if any (at the end of a fit:
+    the directory then holds the checkpoints only)."""
+    if not is_remote(directory):
+        shutil.rmtree(os.path.join(directory, _SPARE), ignore_errors=True)
 
 
 def _commit(directory: str, staging: str, record: dict) -> str:
@@ -243,7 +278,7 @@ def write_checkpoint(directory: str, update: int, groups: dict[str, list], meta:
         meta: JSON-serialisable position of the run (`epoch`, `batch` are required).
     """
     arrays, entries = _flat_arrays(groups)
-    staging = staging_folder(directory, update)
+    staging = staging_folder(directory, update, recycle=True)
     if not is_remote(directory):
         written = _save_state(os.path.join(staging, _STATE), arrays)
     else:
@@ -489,13 +524,17 @@ def latest_complete(directory: str, check=None,
     return None
 
 
-def prune(directory: str, keep: int) -> None:
+def prune(directory: str, keep: int, recycle: bool = False) -> None:
     """Deletes all but the `keep` newest complete checkpoints, and partial folders (none
     is being written: saves and prunes take turns).
 
     Locally a folder is complete once renamed into place, so its name says it: no
     `checkpoint.json` is read (this runs after every save, on the writer thread, and
-    Python work there holds the interpreter lock the training loop needs)."""
+    Python work there holds the interpreter lock the training loop needs). With
+    `recycle`, the newest pruned folder of `write_checkpoint`'s two files is renamed to
+    a hidden spare (`.spare`, no checkpoint to any reader) that the next save writes
+    over in place: reusing a file's blocks costs the kernel less CPU than freeing one
+    file's and allocating another's (docs/resume.md). `drop_spare` deletes it."""
     if is_remote(directory):
         found, _, cut_short = _scan(directory)
         complete = [info.path for info in found]
@@ -508,5 +547,9 @@ def prune(directory: str, keep: int) -> None:
         complete = [os.path.join(directory, _name(update)) for update in updates]
     for path in cut_short:
         _rmtree(path)
-    for path in complete[:-keep]:
+    pruned = complete[:-keep]
+    if recycle and pruned and not is_remote(directory) and _SPARE not in folders \
+            and sorted(os.listdir(pruned[-1])) == sorted((_META, _STATE)):
+        os.replace(pruned.pop(), os.path.join(directory, _SPARE))
+    for path in pruned:
         _rmtree(path)
