@@ -365,51 +365,6 @@ def part_mlp(quick: bool, big: bool = False) -> list[dict]:
     return rows
 
 
-def _pulled_step_memory(model, name: str, micro: int, k: int = 4) -> int:
-    """XLA:TPU's per-chip total of the applying step of `GradientAccumulation(k,
-    dataset_yields="micro_batches")` (one pulled micro-batch of `micro` rows, then the
-    update) under the active distribution, jitted as `fit` jits it (state and
-    accumulators donated, their shardings kept). `plan` compiles global batches only, so
-    this goes through the planner's targeting and the JAX step's `make_pulled_steps`."""
-    import jax
-    import keras
-
-    import keras_tpu_mem as ktm
-    from keras_tpu_mem._compat import jax as jax_compat
-    from keras_tpu_mem.backends.jax import compiled, pulled, tpu_topology
-    from keras_tpu_mem.engine.compile import compile_context
-    from keras_tpu_mem.planning.compiled import Compiler
-    from keras_tpu_mem.planning.target import resolve
-
-    target, _ = resolve(name, "tpu", "tpu_plans")
-    compiler = Compiler(model, what="tpu_plans", target=target)
-    with compiler.targeting():
-        compiler.compile_global(micro)  # builds the state the compile needs
-        host = compiler.model
-        distribution = compiled._distribution()
-        state = compiled._state_structs(host, distribution)
-        state_shardings = jax.tree_util.tree_map(lambda s: s.sharding, state)
-        xs, ys = compiler.specs(micro)
-        batch = compiled._batch_structs(distribution, xs, ys)
-        feature = ktm.GradientAccumulation(k, dataset_yields="micro_batches")
-        with compile_context(host, [feature]) as step:
-            steps, reducer = step.make_pulled_steps(k, jit=False,
-                                                    state_shardings=state_shardings)
-            shardings = pulled.accumulator_shardings(host, reducer)
-            accumulators = [
-                jax.ShapeDtypeStruct(shape, keras.backend.standardize_dtype(v.dtype),
-                                     sharding=s)
-                for v, shape, s in zip(host.trainable_variables,
-                                       pulled.accumulator_shapes(host, reducer), shardings)]
-            lowered = jax.jit(steps[True], donate_argnums=(0, 1),
-                              out_shardings=(None, tuple(state_shardings), shardings)
-                              ).lower(state, accumulators, batch)
-            stats = jax_compat.memory_analysis(jax_compat.compile_for_memory(
-                lowered, "TPU", tpu_topology.compile_options()))
-    return (stats.argument_size_in_bytes + stats.output_size_in_bytes
-            - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
-
-
 def part_accumulation(quick: bool) -> list[dict]:
     """`GradientAccumulation(4)` under `ShardedDataParallel()` (global batch 256, MLPs built
     shapes-only, compiled against the whole chip): the micro-batch loop as `fit` runs it
@@ -448,9 +403,11 @@ def part_accumulation(quick: bool) -> list[dict]:
                              seconds=time.perf_counter() - started)
             if step != "keras" and depth < 100:
                 # Pulled micro-batches of 64 (Keras' convention): the applying step.
+                pulled = [ktm.GradientAccumulation(4, dataset_yields="micro_batches")]
                 with distribution.scope(), (reducers.in_shard_map() if step == "shard_map"
                                             else contextlib.nullcontext()):
-                    row[step]["pulled"] = _pulled_step_memory(model, name, 64)
+                    row[step]["pulled"] = ktm.compiled_memory(
+                        model, 64, device=name, hlo_text=False, callbacks=pulled).total_bytes
         row["params"] = sum(int(__import__("math").prod(v.shape)) for v in model.weights)
         row["compiler"] = memory.compiler
         rows.append(row)

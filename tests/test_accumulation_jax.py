@@ -33,6 +33,7 @@ from helpers import (
 )
 from jax.sharding import PartitionSpec
 
+import keras_tpu_mem as ktm
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem.accumulation import GradientAccumulation
 
@@ -332,6 +333,51 @@ def test_micro_batches_data_parallel_reduce_gradients_only_in_the_applying_step(
         assert count_opcode(text, "all-to-all") == 0
         assert count_opcode(text, "collective-permute") == 0
         assert count_opcode(text, "all-gather") == 0
+
+
+def _total(analysis) -> int:
+    """A `memory_analysis()`'s total, as `CompiledMemory.total_bytes` reads it."""
+    return (analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
+            + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+
+
+def test_compiled_memory_of_micro_batches_is_the_applying_step_fit_runs():
+    """`compiled_memory(model, micro, callbacks=[GradientAccumulation(k,
+    dataset_yields="micro_batches")])` compiles the step `fit` applies the update in: the
+    same memory as `fit`'s own jitted step lowered on its arrays, the accumulating steps
+    no more, and as arguments Keras' step's at the micro-batch plus one accumulator per
+    trainable weight (each device a whole one under DataParallel, where the applying
+    step all-reduces them). `plan` says the batch is one micro-batch and refuses to
+    search the split the dataset makes."""
+    x, y = toy_data(GLOBAL_BATCH, classes=8)
+    with make_distribution("dp8").scope():
+        model = mesh_mlp()
+        model.compile(optimizer="adam", loss=sparse_ce())
+        accumulate = GradientAccumulation(STEPS, dataset_yields="micro_batches")
+        planned = ktm.compiled_memory(model, MICRO, callbacks=[accumulate])
+        keras_step = ktm.compiled_memory(model, MICRO)
+        plan = ktm.plan(model, MICRO, device="v5e-8", compiler="host", callbacks=[accumulate],
+                        by_layer=False)
+        with pytest.raises(ValueError, match="search=True.*dataset_yields='micro_batches'"):
+            ktm.plan(model, MICRO, device="v5e-8", callbacks=[accumulate], search=True)
+        model.fit(x, y, batch_size=MICRO, verbose=0, callbacks=[accumulate])
+        function = model.train_function
+        state = jax_compat.jax_state(model)
+        data = jax_compat.distribute_data((x[:MICRO], y[:MICRO]))
+        ran = {apply: function.pulled_steps[apply].lower(
+                   state, function.zero_accumulators(), data).compile().memory_analysis()
+               for apply in (False, True)}
+    trainable = sum(4 * int(np.prod(w.shape)) for w in model.trainable_weights)
+    assert planned.pulled and planned.micro_batches == STEPS
+    assert planned.accumulator_bytes == trainable
+    assert planned.total_bytes == _total(ran[True])
+    assert _total(ran[False]) <= planned.total_bytes
+    assert planned.argument_bytes == keras_step.argument_bytes + trainable
+    assert "accumulators" in str(planned).splitlines()[1]  # the arguments' row
+    assert plan.pulled and plan.micro_batch == MICRO // 8 and plan.accumulation_steps == STEPS
+    assert f"one of {STEPS} micro-batches the dataset yields per update " \
+           f"({STEPS * MICRO} examples)" in str(plan)
+    assert plan.activation_bytes == planned.temp_bytes  # no accumulator among them
 
 
 def test_micro_batches_compose_with_pruning_like_global_batches():

@@ -474,6 +474,26 @@ def test_accumulation_under_sharded_state_on_a_tpu_is_left_to_xla_tpus_partition
 
 
 @needs_libtpu
+def test_pulled_micro_batches_under_sharded_state_on_a_tpu_split_their_accumulators():
+    """The applying step of micro-batches pulled from the dataset, under
+    `ShardedDataParallel()` on v5e-8 (4 x Dense(4096), micro-batches of 64): its
+    arguments are Keras' own step's plus an eighth of every trainable weight per chip
+    (the accumulators split like the gradients), and its temporaries hold less than the
+    weights whole (none is gathered whole for the step)."""
+    pulled = [ktm.GradientAccumulation(4, dataset_yields="micro_batches")]
+    with ktm.ShardedDataParallel(jax.devices()[:8]).scope(), shapes_only():
+        model = _mlp(4096, 4)
+        step = ktm.compiled_memory(model, 64, device="v5e-8", callbacks=pulled,
+                                   hlo_text=False)
+        keras_step = ktm.compiled_memory(model, 64, device="v5e-8", hlo_text=False)
+    whole_weights = sum(4 * int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert step.compiler.startswith("XLA:TPU") and step.pulled
+    extra = step.argument_bytes - keras_step.argument_bytes
+    assert abs(extra - whole_weights / 8) <= 0.01 * whole_weights / 8, (extra, whole_weights)
+    assert step.temp_bytes < whole_weights
+
+
+@needs_libtpu
 @pytest.mark.slow  # a search of XLA:TPU compiles: about 100 s here
 def test_search_on_a_tpu_compiles_keras_own_step_the_engines_loop_cannot_rule_out():
     """On a TPU mesh one micro-batch under split state, without features, is Keras' own

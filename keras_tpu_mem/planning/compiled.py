@@ -88,12 +88,22 @@ def _sorted(features):
     return in_step_order(features)
 
 
+def pulled_batches(features) -> int:
+    """Dataset batches per update these features pull (1: none; `Feature.batches_per_update`)."""
+    counts = [feature.batches_per_update() for feature in features
+              if type(feature).batches_per_update is not Feature.batches_per_update]
+    return max([count or 1 for count in counts], default=1)
+
+
 def _micro_batches(model, features, per_replica_batch: int) -> int:
-    """The micro-batch count the engine's step uses for these features (1: none)."""
+    """The micro-batches of one update for these features (1: none): the engine's
+    split of the batch, or the batches pulled from the dataset (the compiled step is
+    then one of them, and holds the accumulators)."""
     if not features:
         return 1
     with compile_context(model, features):
-        return int(Engine.attach(model).micro_batch_count(per_replica_batch))
+        split = int(Engine.attach(model).micro_batch_count(per_replica_batch))
+    return max(split, pulled_batches(features))
 
 
 def _device_bytes(items, backend, variables: bool = True) -> int:
@@ -287,11 +297,10 @@ class Compiler:
         `meanwhile`: work to overlap with XLA's compile (`Compiled.compile_step`)."""
         self.backend.check_context(self.what)
         features = tuple(features)
-        for feature in features:
-            if (type(feature).batches_per_update is not Feature.batches_per_update
-                    and (feature.batches_per_update() or 1) > 1):
-                raise ValueError(f"{self.what}: {type(feature).__name__} with micro-batches "
-                                 f"pulled from the dataset {self.backend.pulled_step()}")
+        refusal = self.backend.pulled_step()
+        if refusal is not None and pulled_batches(features) > 1:
+            raise ValueError(f"{self.what}: a feature with micro-batches pulled from the "
+                             f"dataset {refusal}")
         shards = self.backend.compile_shards()
         if global_batch % shards:
             raise ValueError(
@@ -343,6 +352,7 @@ class Compiler:
             features=tuple(type(f).__name__ for f in _sorted(features)),
             micro_batches=micro,
             accumulator_bytes=trainable if micro > 1 else 0,
+            pulled=pulled_batches(features) > 1,
             hlo_text=stats["hlo_text"],
             backend=self.backend_name,
             devices=stats["devices"],

@@ -55,7 +55,13 @@ class CompiledMemory:
         accumulator_bytes: The gradient accumulators of the micro-batch loop
             (one per trainable weight, in the weights' dtype), 0 without
             accumulation. They are loop state, so XLA counts them inside
-            `temp_bytes`; reported apart so that a plan can name them.
+            `temp_bytes`; reported apart so that a plan can name them. With
+            micro-batches pulled from the dataset (`pulled`) they are carried from
+            step to step, so XLA counts them inside `argument_bytes` instead.
+        pulled: Whether the step is the applying step of micro-batches pulled from
+            the dataset (`GradientAccumulation(k, dataset_yields="micro_batches")`):
+            `batch_size` is then one micro-batch, `micro_batches` of them make an
+            update, and the accumulators are arguments.
         hlo_text: The optimized HLO text of the compiled step (which
             collectives, inside which loop), `""` where the reader has none.
         backend: `"tensorflow"` or `"jax"`.
@@ -99,6 +105,7 @@ class CompiledMemory:
     features: tuple[str, ...] = ()
     micro_batches: int = 1
     accumulator_bytes: int = 0
+    pulled: bool = False
     hlo_text: str = dataclasses.field(default="", repr=False)
     backend: str = "tensorflow"
     devices: int = 1
@@ -164,20 +171,31 @@ class CompiledMemory:
 
     @property
     def state_bytes(self) -> int:
-        """Arguments that are not the batch: weights, optimizer and metric state."""
+        """Arguments that are not the batch: weights, optimizer and metric state (and
+        the accumulators of pulled micro-batches)."""
         return self.argument_bytes - self.data_bytes
+
+    @property
+    def activation_temp_bytes(self) -> int:
+        """The temporaries less the accumulators they hold (a micro-batch loop's; pulled
+        micro-batches' accumulators are arguments): activations, gradients, workspace."""
+        return self.temp_bytes - (0 if self.pulled else self.accumulator_bytes)
 
     def table(self) -> str:
         fb = devices.format_bytes
+        accumulators = (f"accumulators {fb(self.accumulator_bytes)} ({self.micro_batches} "
+                        f"micro-batches{' pulled' if self.pulled else ''})"
+                        if self.accumulator_bytes else "")
+        carried = self.accumulator_bytes if self.pulled else 0
         rows = [
             ("arguments", self.argument_bytes,
              f"weights {fb(self.weight_bytes)}, optimizer {fb(self.optimizer_bytes)}, "
-             f"batch {fb(self.data_bytes)}, other state "
-             f"{fb(self.state_bytes - self.weight_bytes - self.optimizer_bytes)}"),
+             + (f"{accumulators}, " if self.pulled else "")
+             + f"batch {fb(self.data_bytes)}, other state "
+             f"{fb(self.state_bytes - self.weight_bytes - self.optimizer_bytes - carried)}"),
             ("temporaries", self.temp_bytes,
              "activations, gradients, workspace"
-             + (f"; incl. accumulators {fb(self.accumulator_bytes)} "
-                f"({self.micro_batches} micro-batches)" if self.accumulator_bytes else "")),
+             + (f"; incl. {accumulators}" if accumulators and not self.pulled else "")),
             ("live-out", self.live_out_bytes,
              f"{fb(self.alias_bytes)} of it aliases arguments (in-place updates)"),
             ("constants", self.constant_bytes, ""),
@@ -188,6 +206,9 @@ class CompiledMemory:
                          "HBM XLA:TPU's buffer assignment lays out (its memory-usage report)"))
         step = (f"the engine's step for {', '.join(self.features)}" if self.features
                 else "one train step")
+        if self.pulled:
+            step += (f" at the last of {self.micro_batches} micro-batches pulled per update "
+                     "(the one that applies it)")
         # How the backend that compiled it names one compile's share ("per-replica").
         compiled = backends.get(self.backend).compiled
         if self.replicas > 1:

@@ -236,6 +236,10 @@ class MemoryPlan:
     compiler: str = ""
     #: XLA's message where it refused the planned step as too large (XLA:TPU), else "".
     refused: str = ""
+    #: Whether the dataset yields the micro-batches (`GradientAccumulation(k,
+    #: dataset_yields="micro_batches")`): `global_batch_size` is then one micro-batch,
+    #: `accumulation_steps` of them make an update.
+    pulled: bool = False
 
     @property
     def search(self):
@@ -274,7 +278,10 @@ class MemoryPlan:
         d = self.device
         batch = (f"global batch {self.global_batch_size} = {d.replicas} replica(s) x "
                  f"{self.per_replica_batch}")
-        if k > 1:
+        if self.pulled:
+            batch += (f", one of {k} micro-batches the dataset yields per update "
+                      f"({k * self.global_batch_size} examples)")
+        elif k > 1:
             batch += f" = {k} micro-batches of {self.micro_batch}"
         how = ("compiled at this batch" if not self.extrapolated else
                f"extrapolated from XLA compiles at batches "
@@ -436,7 +443,8 @@ def assemble(device: DeviceBudget, global_batch_size: int, per_replica: int,
     notes = (*notes, *([layout] if layout else []))
     return MemoryPlan(
         device=device, global_batch_size=global_batch_size, per_replica_batch=per_replica,
-        accumulation_steps=accumulation_steps, micro_batch=per_replica // accumulation_steps,
+        accumulation_steps=accumulation_steps,
+        micro_batch=per_replica if more.get("pulled") else per_replica // accumulation_steps,
         precision=precision, model_precision=own_precision, headroom=float(headroom),
         # The state: read from the reference compile; gradients as large as the
         # trainable weights, at most.

@@ -23,7 +23,7 @@ from keras_tpu_mem.planning.budget import (
     resolve_device,
     usable_bytes,
 )
-from keras_tpu_mem.planning.compiled import Compiler, check_callbacks
+from keras_tpu_mem.planning.compiled import Compiler, check_callbacks, pulled_batches
 from keras_tpu_mem.planning.memory_plan import (
     MemoryPlan,
     Recommendation,
@@ -381,6 +381,13 @@ def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accum
     if progress is not None and not callable(progress):
         raise TypeError(f"`progress` must be None or a callable, got {progress!r}.")
     features = check_callbacks(callbacks, "plan")
+    if search and pulled_batches(features) > 1:
+        raise ValueError(
+            "plan: search=True varies how the global batch is split into micro-batches, "
+            "and with GradientAccumulation(dataset_yields='micro_batches') the dataset "
+            "splits it. Plan the pulled step without search, or search with "
+            "GradientAccumulation(k) (dataset_yields='global_batches') at the batch of "
+            "one update.")
     notes = [] if target_note is None else [target_note]
     # On JAX per replica = per data-parallel shard of the active distribution,
     # and every byte count is one device's (see `Compiler.__call__`).

@@ -29,11 +29,12 @@ import numpy as np
 
 from keras_tpu_mem._compat import jax as jax_compat
 from keras_tpu_mem.backends.contracts import CompileRefused
-from keras_tpu_mem.backends.jax import reducers, tpu_topology
+from keras_tpu_mem.backends.jax import pulled, reducers, tpu_topology
 from keras_tpu_mem.backends.jax.layout import (
     make_state_layout,
     partitioner_shards_state,
 )
+from keras_tpu_mem.backends.step import check_pulled_micro_batches
 
 
 def unit() -> str:
@@ -62,9 +63,9 @@ def estimates() -> bool:
     return False
 
 
-def pulled_step() -> str:
-    return ("is not an engine step on JAX; plan GradientAccumulation(steps) "
-            "(dataset_yields='global_batches') at the batch of one update.")
+def pulled_step() -> None:
+    """None: the applying step of pulled micro-batches compiles here (`prepare_step`)."""
+    return None
 
 
 def spec_name() -> str:
@@ -248,6 +249,10 @@ def prepare_step(model, xs, ys, features, compile_context,
         # State split over the batch axis: the engine's sharded step, as `fit` runs
         # it then even without features (`reducers.ShardedShardMap`).
         shardings = jax.tree_util.tree_map(lambda s: s.sharding, state)
+        k = backend_step.engine.batches_per_update()
+        if k > 1:
+            return _prepare_pulled_step(model, backend_step, k, state, batch, shardings,
+                                        distribution)
         # Without features, a TPU's SPMD partitioner shards Keras' own step (as `fit`
         # leaves it there: `Step.owns_step`).
         shard_map_only = keras_step is False
@@ -271,6 +276,36 @@ def prepare_step(model, xs, ys, features, compile_context,
             return _PreparedStep(jitted.lower(state, batch), platform, devices)
         except Exception as err:
             return _PreparedStep(None, platform, devices, err)
+
+
+def _prepare_pulled_step(model, backend_step, k: int, state, batch, shardings,
+                         distribution) -> _PreparedStep:
+    """`prepare_step` of `GradientAccumulation(k, dataset_yields="micro_batches")`: its
+    applying step (the k-th micro-batch's gradient added, then the update), jitted as
+    `fit` jits it (`Step.make_pulled_steps`: state and accumulators donated, both
+    coming back as they went in), on one micro-batch of the batch specs. It holds
+    what the other k - 1 steps hold (the state, the accumulators, one micro-batch,
+    its gradient) and the optimizer's update besides."""
+    check_pulled_micro_batches(model, k)
+    steps, reducer = backend_step.make_pulled_steps(k, jit=False, state_shardings=shardings)
+    weight_shardings = shardings[0] if distribution is not None else None
+    accumulator_shardings = pulled.accumulator_shardings(model, reducer, weight_shardings)
+    accumulators = [
+        _struct(shape, keras.backend.standardize_dtype(variable.dtype),
+                None if accumulator_shardings is None else accumulator_shardings[i])
+        for i, (variable, shape) in enumerate(zip(model.trainable_variables,
+                                                  pulled.accumulator_shapes(model, reducer)))]
+    out_shardings = None
+    if distribution is not None:
+        out_shardings = (None, tuple(shardings), accumulator_shardings)
+        outputs = len(jax.eval_shape(steps[True], state, accumulators, batch))
+        out_shardings += (None,) * (outputs - len(out_shardings))  # a feature's carried state
+    jitted = jax.jit(steps[True], donate_argnums=(0, 1), out_shardings=out_shardings)
+    platform, devices = _platform_and_devices(distribution)
+    try:
+        return _PreparedStep(jitted.lower(state, accumulators, batch), platform, devices)
+    except Exception as err:
+        return _PreparedStep(None, platform, devices, err)
 
 
 #: One thread for XLA's compiles while the caller goes on (`compile_step(meanwhile=)`):

@@ -28,19 +28,23 @@ from keras_tpu_mem.backends.jax.reducers import PER_DEVICE
 from keras_tpu_mem.backends.jax.train_function import multi_step_train_function
 
 
-def accumulator_shardings(model, reducer):
+def accumulator_shardings(model, reducer, weight_shardings=None):
     """Shardings of the accumulators (None without a distribution): each trainable
     weight's, with a leading per-device axis on the batch axis, or the batch axis
     moved to the dimension its gradient is reduce-scattered on, as
-    `reducer.accumulators()` says."""
+    `reducer.accumulators()` says. The weights' shardings are `weight_shardings` where
+    given (a compile's, read from the layouts), else their values'."""
     distribution = keras.distribution.distribution()
     if distribution is None:
         return None
     mesh = jax_compat.backend_mesh(distribution.device_mesh)
     axis = distribution.batch_dim_name
+    if weight_shardings is None:
+        weight_shardings = [getattr(v.value, "sharding", None)
+                            for v in model.trainable_variables]
     shardings = []
-    for variable, where in zip(model.trainable_variables, reducer.accumulators()):
-        sharding = getattr(variable.value, "sharding", None)
+    for variable, where, sharding in zip(model.trainable_variables, reducer.accumulators(),
+                                         weight_shardings):
         spec = tuple(getattr(sharding, "spec", ()) or ())
         spec = spec + (None,) * (len(variable.shape) - len(spec))
         if where == PER_DEVICE:
