@@ -476,7 +476,8 @@ class Storage(Protocol):
 
     def gfile(self):
         """A module-like object with `GFile(path, mode)`, `exists`, `isdir`, `listdir`,
-        `makedirs`, `rename(src, dst, overwrite=)` and `rmtree`."""
+        `makedirs`, `walk(top)` (as `os.walk`), `stat(path)` (its `.length` in bytes),
+        `rename(src, dst, overwrite=)` and `rmtree`."""
         ...
 
     def remote_path_problem(self, path: str) -> str | None:

@@ -34,8 +34,9 @@ each its own shards, through Orbax into `state.orbax/` (in place of `state.bin`)
 and committed by one process like the rest (`checkpoint.json` last, then the
 rename) once every process's files are complete; Orbax reads it back into the
 layouts it is given (`read_arrays(info, like)`). Its files carry no checksum of
-ours: a damaged folder is skipped where Orbax cannot read it (a file missing; a
-missing chunk is an error, not zeros).
+ours: `checkpoint.json` lists each file with its size, and a folder where one is
+missing or of another size is skipped before Orbax reads it; one Orbax cannot
+read otherwise is skipped too (a missing chunk is an error, not zeros).
 """
 
 from __future__ import annotations
@@ -308,8 +309,42 @@ def commit_sharded(directory: str, staging: str, update: int, groups: dict[str, 
                for group, items in groups.items()}
     size = sum(int(np.prod(entry["shape"], dtype=np.int64)) * _dtype(entry["dtype"]).itemsize
                for group in entries.values() for entry in group)
-    record = _record(dict(meta, state=_STATE_ORBAX), update, (size, None), entries)
+    files = _tree_files(sharded_state_folder(staging))
+    record = _record(dict(meta, state=_STATE_ORBAX, files=files), update, (size, None), entries)
     return _commit(directory, staging, record)
+
+
+def _tree_files(folder: str) -> dict[str, int]:
+    """Every file under `folder`, local or remote: its path relative to `folder` (with
+    `/`) -> its size in bytes."""
+    files = {}
+    remote = is_remote(folder)
+    walk = _files().walk if remote else os.walk
+    for root, _, names in walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            size = _files().stat(path).length if remote else os.path.getsize(path)
+            files[os.path.relpath(path, folder).replace(os.sep, "/")] = int(size)
+    return files
+
+
+def _check_sharded_files(info: CheckpointInfo) -> None:
+    """Raises `CorruptCheckpoint` naming the first file Orbax wrote (`checkpoint.json`'s
+    `files`, listed at the commit) that is missing or not the size it was written at, so
+    that Orbax never reads a damaged folder: its reads of one fail in threads that outlive
+    the restore and print tracebacks ("Event loop is closed") after it. A folder whose
+    files have their sizes but not their bytes is still Orbax's to find."""
+    recorded = info.meta.get("files")
+    if recorded is None:  # committed before the list was recorded
+        return
+    folder = os.path.join(info.path, _STATE_ORBAX)
+    found = _tree_files(folder) if _isdir(folder) else {}
+    for name, size in sorted(recorded.items()):
+        if name not in found:
+            raise CorruptCheckpoint(f"{info.path}: {_STATE_ORBAX}/{name} is missing")
+        if found[name] != size:
+            raise CorruptCheckpoint(f"{info.path}: {_STATE_ORBAX}/{name} has {found[name]} "
+                                    f"bytes where {size} were written")
 
 
 def _record(meta: dict, update: int, written: tuple[int, int | None], entries: dict) -> dict:
@@ -405,6 +440,7 @@ def _read_sharded(info: CheckpointInfo, like: dict[str, list] | None) -> dict[st
             "devices (written by Orbax, each process its shards): it is read back on the "
             "JAX backend, into the variables of the model it was saved from.")
     stored = {group: entries for group, entries in info.meta["arrays"].items() if entries}
+    _check_sharded_files(info)
     try:
         tree = backend.sharded_checkpoint.restore(
             os.path.join(info.path, _STATE_ORBAX), {group: like[group] for group in stored})

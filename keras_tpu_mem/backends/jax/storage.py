@@ -43,6 +43,7 @@ def _rmtree(path: str) -> None:
 
 _GFILE = types.SimpleNamespace(GFile=_stub.GFile, exists=_stub.exists, isdir=_stub.isdir,
                                listdir=_stub.listdir, makedirs=_stub.makedirs,
+                               walk=_stub.walk, stat=_stub.stat,
                                rename=_rename, rmtree=_rmtree)
 
 
