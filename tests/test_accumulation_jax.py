@@ -380,6 +380,33 @@ def test_compiled_memory_of_micro_batches_is_the_applying_step_fit_runs():
     assert plan.activation_bytes == planned.temp_bytes  # no accumulator among them
 
 
+def test_an_out_of_memory_of_pulled_micro_batches_is_explained_by_the_applying_step():
+    """A fit of pulled micro-batches that runs out of device memory gets the compiled
+    breakdown of its applying step at the micro-batch, accumulators named, against the
+    capacity, and says why nothing smaller was searched for (the dataset splits the
+    batch)."""
+    from test_planning_oom import InjectedOOM
+
+    from keras_tpu_mem.planning import StepOutOfMemoryError, set_oom_device
+
+    x, y = toy_data(GLOBAL_BATCH, classes=8)
+    model = mesh_mlp()
+    model.compile(optimizer="adam", loss=sparse_ce())
+    InjectedOOM.armed = True
+    set_oom_device("32KiB")  # less than the step's compiled total (about 46 KiB)
+    try:
+        with pytest.raises(StepOutOfMemoryError) as info:
+            model.fit(x, y, batch_size=MICRO, verbose=0, callbacks=[
+                GradientAccumulation(STEPS, dataset_yields="micro_batches"), InjectedOOM()])
+    finally:
+        set_oom_device(None)
+    message, plan = str(info.value), info.value.plan
+    trainable = sum(4 * int(np.prod(w.shape)) for w in model.trainable_weights)
+    assert plan.pulled and plan.accumulator_bytes == trainable and not plan.fits
+    assert f"global batch {MICRO}" in message and "vs capacity 32.00 KiB" in message
+    assert "the dataset yields the micro-batches" in message
+
+
 def test_micro_batches_compose_with_pruning_like_global_batches():
     """Pruning's after_update runs after applying steps only: both modes train alike."""
     from keras_tpu_mem import Pruning

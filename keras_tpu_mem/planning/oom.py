@@ -32,6 +32,7 @@ from keras_tpu_mem import backends, devices, engine
 from keras_tpu_mem._utils import logger
 from keras_tpu_mem.planning.budget import DeviceBudget, resolve_device
 from keras_tpu_mem.planning.by_layer_text import failing_lines
+from keras_tpu_mem.planning.compiled import pulled_batches
 from keras_tpu_mem.planning.memory_plan import candidates_table
 from keras_tpu_mem.planning.planner import plan
 from keras_tpu_mem.planning.search import _LEVER_NAMES
@@ -125,12 +126,16 @@ def explain_out_of_memory(model, features, global_batch_size, error,
     compiled = backends.current().compiled
     replicas = compiled.replicas(model)
     budget = _capacity(error, replicas)
-    searched = budget is not None
+    known = budget is not None
+    # Micro-batches the dataset yields are split by the dataset: the search's levers,
+    # which split a global batch, do not apply (`plan` refuses them).
+    pulled = pulled_batches(features) > 1
+    searched = known and not pulled
     if budget is None:
         budget = DeviceBudget("unknown", 0, replicas, "unknown")
     try:
         memory = plan(model, global_batch_size, device=budget, callbacks=list(features),
-                      search=searched, headroom=headroom if searched else 0.0)
+                      search=searched, headroom=headroom if known else 0.0)
     except Exception as err:  # the analysis must not hide the OOM itself
         logger.debug("OOM explanation failed", exc_info=True)
         return StepOutOfMemoryError(
@@ -146,7 +151,7 @@ def explain_out_of_memory(model, features, global_batch_size, error,
              f"{fb(memory.activation_bytes)} ({fb(memory.activations_per_sample)}/sample), "
              f"input {fb(memory.data_bytes)}, other {fb(memory.other_bytes)}",
              f"  compiled total {fb(memory.total_bytes)} vs capacity "
-             + (f"{fb(budget.capacity_bytes)} ({budget.source})" if searched else
+             + (f"{fb(budget.capacity_bytes)} ({budget.source})" if known else
                 "unknown (set it with ktm.planning.set_oom_device('v5litepod-8' or "
                 "'16GiB') for a recommendation)")]
     lines.extend(failing_lines(model, features, memory, compiled.unit()))
@@ -166,6 +171,11 @@ def explain_out_of_memory(model, features, global_batch_size, error,
     elif searched:
         lines.append("No candidate of the search fits: a smaller global batch, more "
                      "replicas or a larger device.")
+    elif known and pulled:
+        lines.append("Nothing smaller was searched for: the dataset yields the micro-batches "
+                     "(GradientAccumulation(dataset_yields='micro_batches')). Yield smaller "
+                     "ones with more of them per update, or plan GradientAccumulation(k) on "
+                     "global batches with ktm.plan(..., search=True).")
     return StepOutOfMemoryError("\n".join(line for line in lines if line), memory,
                                 global_batch_size)
 

@@ -349,7 +349,10 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
     if prepared is None:
         prepared = prepare_step(model, xs, ys, features, compile_context, keras_step)
     platform, devices = prepared.platform, prepared.devices
-    with tempfile.TemporaryDirectory(prefix="ktm-xla-dump-") as directory:
+    # A folder for XLA's files: its dump (`dump`), XLA:TPU's memory-usage report.
+    folder = (tempfile.TemporaryDirectory(prefix="ktm-xla-dump-")
+              if dump or platform == "TPU" else contextlib.nullcontext())
+    with folder as directory:
         # XLA:TPU's layout of HBM is in its memory-usage report, not memory_analysis().
         options = ({**prepared.options, **jax_compat.memory_report_options(directory)}
                    if platform == "TPU" else prepared.options)
