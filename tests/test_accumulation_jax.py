@@ -308,6 +308,18 @@ def _all_reduce_shapes(text):
     return shapes
 
 
+def _fitted_pulled_steps(model, x, y) -> dict:
+    """`{apply: compiled}`: the two jitted steps of the fit `model` ran with pulled
+    micro-batches, lowered on its own state, fresh accumulators and its first
+    micro-batch, and compiled (in the active distribution's scope)."""
+    function = model.train_function
+    state = jax_compat.jax_state(model)
+    data = jax_compat.distribute_data((x[:MICRO], y[:MICRO]))
+    return {apply: function.pulled_steps[apply].lower(
+                state, function.zero_accumulators(), data).compile()
+            for apply in (False, True)}
+
+
 def test_micro_batches_data_parallel_reduce_gradients_only_in_the_applying_step():
     x, y = toy_data(GLOBAL_BATCH, classes=8)
     with make_distribution("dp8").scope():
@@ -315,12 +327,8 @@ def test_micro_batches_data_parallel_reduce_gradients_only_in_the_applying_step(
         model.compile(optimizer="adam", loss=sparse_ce(), metrics=["accuracy"])
         model.fit(x, y, batch_size=MICRO, verbose=0,
                   callbacks=[GradientAccumulation(STEPS, dataset_yields="micro_batches")])
-        function = model.train_function
-        state = jax_compat.jax_state(model)
-        data = jax_compat.distribute_data((x[:MICRO], y[:MICRO]))
-        texts = {apply: function.pulled_steps[apply].lower(
-                     state, function.zero_accumulators(), data).compile().as_text()
-                 for apply in (False, True)}
+        texts = {apply: compiled.as_text()
+                 for apply, compiled in _fitted_pulled_steps(model, x, y).items()}
     weight_shapes = {f"f32[{','.join(map(str, w.shape))}]" for w in model.trainable_weights}
     accumulating, applying = (_all_reduce_shapes(texts[a]) for a in (False, True))
     # The accumulating step reduces no gradient: its only collective is the
@@ -361,12 +369,8 @@ def test_compiled_memory_of_micro_batches_is_the_applying_step_fit_runs():
         with pytest.raises(ValueError, match="search=True.*dataset_yields='micro_batches'"):
             ktm.plan(model, MICRO, device="v5e-8", callbacks=[accumulate], search=True)
         model.fit(x, y, batch_size=MICRO, verbose=0, callbacks=[accumulate])
-        function = model.train_function
-        state = jax_compat.jax_state(model)
-        data = jax_compat.distribute_data((x[:MICRO], y[:MICRO]))
-        ran = {apply: function.pulled_steps[apply].lower(
-                   state, function.zero_accumulators(), data).compile().memory_analysis()
-               for apply in (False, True)}
+        ran = {apply: compiled.memory_analysis()
+               for apply, compiled in _fitted_pulled_steps(model, x, y).items()}
     trainable = sum(4 * int(np.prod(w.shape)) for w in model.trainable_weights)
     assert planned.pulled and planned.micro_batches == STEPS
     assert planned.accumulator_bytes == trainable
