@@ -303,6 +303,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._writer: concurrent.futures.Future | None = None
         self._write_error: BaseException | None = None
+        # Whether this callback wrote `state.bin` checkpoints, whose prune keeps a spare
+        # folder that only the writing process may delete (`_finish_writes`).
+        self._wrote_state_bin = False
         # This fit's position and restore, set again at each on_train_begin.
         self._resume_at = self._metrics_values = self._saved_global_batch = None
         self._undo = self._last_begin = self._epoch_order = self._saved_groups = None
@@ -626,7 +629,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         and at the start of the next where the last one ended in an error (Keras calls
         no `on_train_end` then)."""
         self._wait()
-        store.drop_spare(self.directory)  # the directory holds the checkpoints only
+        if self._wrote_state_bin:  # the directory then holds the checkpoints only
+            store.drop_spare(self.directory)
+            self._wrote_state_bin = False
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
@@ -667,6 +672,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._last_saved = self._base_update = update
         self._wait()
         self._raise_write_error()
+        self._wrote_state_bin = True
         self._run_write(lambda: store.write_checkpoint(self.directory, update, groups, meta))
 
     def _save_sharded(self, update, meta, writes) -> None:
