@@ -369,6 +369,33 @@ def test_micro_batches_arguments():
     assert GradientAccumulation.from_config(config).dataset_yields == "micro_batches"
 
 
+def test_pulled_micro_batches_plan_keras_steps_arguments_and_the_accumulators():
+    """`compiled_memory` and `plan` with `GradientAccumulation(k,
+    dataset_yields="micro_batches")` compile the step that applies the update, at one
+    micro-batch (the batch `fit` is given): its arguments are Keras' own step's at that
+    batch plus one accumulator per trainable weight (carried from step to step, so XLA
+    counts them among the arguments, not the temporaries). `plan` says the batch is one of
+    the k micro-batches of an update and refuses to search a split the dataset makes."""
+    from keras_tpu_mem.planning import compiled_memory, plan
+
+    model = mlp()
+    model.compile(optimizer="adam", loss=sparse_ce())
+    pulled = GradientAccumulation(4, dataset_yields="micro_batches")
+    planned = compiled_memory(model, 8, callbacks=[pulled], hlo_text=False)
+    keras_step = compiled_memory(model, 8, hlo_text=False)
+    trainable = sum(4 * int(np.prod(w.shape)) for w in model.trainable_weights)
+    assert planned.pulled and planned.micro_batches == 4
+    assert planned.accumulator_bytes == trainable
+    assert planned.argument_bytes == keras_step.argument_bytes + trainable
+    assert "accumulators" in str(planned).splitlines()[1]  # the arguments' row
+    memory = plan(model, 8, device="16GiB", callbacks=[pulled], by_layer=False)
+    assert memory.pulled and memory.micro_batch == 8 and memory.accumulation_steps == 4
+    assert "one of 4 micro-batches the dataset yields per update (32 examples)" in str(memory)
+    assert memory.activation_bytes == planned.temp_bytes  # no accumulator among them
+    with pytest.raises(ValueError, match="search=True.*dataset_yields='micro_batches'"):
+        plan(model, 8, device="16GiB", callbacks=[pulled], search=True)
+
+
 def test_micro_batches_resume_after_interruption(tmp_path):
     """Windows never span epochs, so a resume at an epoch boundary is exact."""
     x, y = toy_data(GLOBAL_BATCH * UPDATES)

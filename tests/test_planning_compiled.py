@@ -204,14 +204,3 @@ def test_compiled_memory_rejects_bad_callbacks(big_mlp):
                                                 ktm.GradientAccumulation(4)])
     with pytest.raises(ValueError, match="steps=3"):
         compiled_memory(big_mlp, 8, callbacks=[ktm.GradientAccumulation(3)])
-
-
-def test_micro_batches_pulled_from_the_dataset_are_refused_with_what_to_plan(big_mlp):
-    """TensorFlow's step of pulled micro-batches differs with the window position: the
-    planner names the global-batch plan instead (JAX compiles the applying step:
-    test_accumulation_jax.py)."""
-    pulled = ktm.GradientAccumulation(4, dataset_yields="micro_batches")
-    with pytest.raises(ValueError, match=r"pulled from the dataset.*different step per "
-                                         r"window position.*dataset_yields='global_batches'"):
-        compiled_memory(big_mlp, 8, callbacks=[pulled])
-

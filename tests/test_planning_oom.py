@@ -109,3 +109,31 @@ def test_out_of_memory_still_raises_when_the_by_layer_table_fails(monkeypatch):
     lines = [line for line in message.splitlines() if "by layer" in line.lower()]
     assert lines == ["Memory by layer could not be computed (RuntimeError: no dump here)."]
     assert "compiled total" in message  # the breakdown is still there
+
+
+def test_out_of_memory_of_pulled_micro_batches_is_explained_by_the_applying_step():
+    """A fit of micro-batches pulled from the dataset that runs out of device memory gets
+    the compiled breakdown of its applying step at the micro-batch, accumulators named,
+    against the capacity, and says why nothing smaller was searched for (the dataset
+    splits the batch)."""
+    from helpers import mlp, sparse_ce, toy_data
+
+    from keras_tpu_mem import GradientAccumulation
+
+    x, y = toy_data(32)
+    model = mlp()
+    model.compile(optimizer="adam", loss=sparse_ce())
+    InjectedOOM.armed = True
+    set_oom_device("4KiB")  # less than the step's compiled total (about 10 KiB)
+    try:
+        with pytest.raises(StepOutOfMemoryError) as info:
+            model.fit(x, y, batch_size=8, verbose=0, callbacks=[
+                GradientAccumulation(4, dataset_yields="micro_batches"), InjectedOOM()])
+    finally:
+        set_oom_device(None)
+    message, plan = str(info.value), info.value.plan
+    trainable = sum(4 * int(np.prod(w.shape)) for w in model.trainable_weights)
+    assert plan.pulled and plan.accumulator_bytes == trainable and not plan.fits
+    assert "global batch 8" in message and "vs capacity 4.00 KiB" in message
+    assert "the dataset yields the micro-batches" in message
+

@@ -267,11 +267,6 @@ class Compiled(Protocol):
         (True) or compiles the step at its batch (False)."""
         ...
 
-    def pulled_step(self) -> str:
-        """Why a feature that pulls micro-batches from the dataset has no step to
-        compile, and what to plan instead (ends a sentence)."""
-        ...
-
     def spec_name(self) -> str:
         """The class of `make_spec`'s specs as a user writes it (`"tf.TensorSpec"`):
         error messages name only the running backend's."""

@@ -297,10 +297,6 @@ class Compiler:
         `meanwhile`: work to overlap with XLA's compile (`Compiled.compile_step`)."""
         self.backend.check_context(self.what)
         features = tuple(features)
-        refusal = self.backend.pulled_step()
-        if refusal is not None and pulled_batches(features) > 1:
-            raise ValueError(f"{self.what}: a feature with micro-batches pulled from the "
-                             f"dataset {refusal}")
         shards = self.backend.compile_shards()
         if global_batch % shards:
             raise ValueError(

@@ -63,11 +63,6 @@ def estimates() -> bool:
     return False
 
 
-def pulled_step() -> None:
-    """None: the applying step of pulled micro-batches compiles here (`prepare_step`)."""
-    return None
-
-
 def spec_name() -> str:
     return "jax.ShapeDtypeStruct"
 

@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 
 from keras_tpu_mem._compat import keras as keras_compat
+from keras_tpu_mem.backends.step import check_pulled_micro_batches
 
 
 def unit() -> str:
@@ -44,13 +45,6 @@ def estimates() -> bool:
     """Yes: `plan` without callbacks compiles at small per-replica batches and
     extrapolates (each TensorFlow compile of a large batch takes seconds to minutes)."""
     return True
-
-
-def pulled_step() -> str:
-    return ("compiles a different step per window position; plan "
-            "GradientAccumulation(steps) (dataset_yields='global_batches') at the "
-            "per-replica batch of one update instead: its memory is the same "
-            "micro-batch loop's.")
 
 
 def spec_name() -> str:
@@ -211,6 +205,20 @@ def prepare_step(model, xs, ys, features, compile_context, keras_step: bool | No
     return None
 
 
+def _replica_step(model, step):
+    """The engine's replica step for the features installed on `step`: its step, or with
+    micro-batches pulled from the dataset the step that applies the update (the k-th
+    micro-batch's gradient added to the accumulators, then the optimizer), its
+    accumulators made here, as `fit` makes them, and captured by the compile (entry
+    parameters, as the weights are)."""
+    k = step.engine.batches_per_update()
+    if k <= 1:
+        return step._replica_step
+    check_pulled_micro_batches(model, k)
+    accumulators = step._make_accumulators(tf.distribute.get_strategy())
+    return lambda data: step._pulled_micro_step(data, True, accumulators, k)
+
+
 def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
                  description: str, dump: bool = False, keras_step: bool | None = None,
                  prepared=None, meanwhile=None) -> dict:
@@ -242,7 +250,7 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
     with contextlib.ExitStack() as stack:
         if features:
             step = stack.enter_context(compile_context(model, features))
-            train_step = tf.autograph.experimental.do_not_convert(step._replica_step)
+            train_step = tf.autograph.experimental.do_not_convert(_replica_step(model, step))
         else:
             train_step = model.train_step
 
