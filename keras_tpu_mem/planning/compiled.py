@@ -90,9 +90,7 @@ def _sorted(features):
 
 def pulled_batches(features) -> int:
     """Dataset batches per update these features pull (1: none; `Feature.batches_per_update`)."""
-    counts = [feature.batches_per_update() for feature in features
-              if type(feature).batches_per_update is not Feature.batches_per_update]
-    return max([count or 1 for count in counts], default=1)
+    return max([feature.batches_per_update() or 1 for feature in features], default=1)
 
 
 def _micro_batches(model, features, per_replica_batch: int) -> int:
