@@ -269,7 +269,7 @@ def test_the_plan_comes_back_whole():
         "by_layer": {"rows": [["d", 1, 2, 3, 9]], "peak_bytes": 9, "total_bytes": 15},
         "by_layer_of": "the planned step",
         "compiler": "XLA:TPU (TPU v5 lite, v5e:2x4, 8 devices, libtpu 0.0.42.1)",
-        "refused": ""}
+        "refused": "", "pulled": True}
     plan = jax_lowering.plan_from_json(data, features=True)
     assert plan.device == DeviceBudget("v5e-8", 100, 8, "x")
     assert plan.recommendation == rec and plan.candidates == (rec,)
@@ -278,3 +278,4 @@ def test_the_plan_comes_back_whole():
     assert plan.notes[1:] == ("n",) and "GradientAccumulation" in plan.notes[0]
     assert plan.by_layer["d"].at_peak == 9 and plan.by_layer.slack_bytes == 6
     assert plan.total_bytes == 15 and plan.compiled_batches == (32,)
+    assert plan.pulled  # micro-batches pulled from the dataset, planned in the worker
