@@ -219,7 +219,7 @@ def _batch_hook():
     return BatchHook()
 
 
-def _callbacks(config: str, probe: str | None, directory: str) -> list:
+def _callbacks(config: str, directory: str) -> list:
     """The callbacks of one configuration (`LABELS`)."""
     from keras_tpu_mem import ResumableCheckpoint
 
@@ -235,7 +235,6 @@ def _callbacks(config: str, probe: str | None, directory: str) -> list:
 
 def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
     import keras
-
 
     distribution = keras.distribution.DataParallel() if name == "encoder" else None
     scope = distribution.scope if distribution is not None else contextlib.nullcontext
@@ -254,7 +253,7 @@ def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
             model, x, y = runs[config]
             directory = os.path.join(root, name, config.replace("/", "_"), str(r))
             probe = config[len("write:"):] if config.startswith("write:") else None
-            callbacks = _callbacks(config, probe, directory)
+            callbacks = _callbacks(config, directory)
             with scope(), _writer_probe(probe, directory):
                 start = time.perf_counter()
                 model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,

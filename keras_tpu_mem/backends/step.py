@@ -210,6 +210,16 @@ def micro_batch_count(features, per_replica_batch) -> int:
     return 1
 
 
+def batches_per_update(features) -> int:
+    """Dataset batches (micro-batches) per optimizer update: the first count a feature
+    gives (`Feature.batches_per_update`; at most one feature gives one), else 1."""
+    for feature in features:
+        count = feature.batches_per_update()
+        if count is not None:
+            return count
+    return 1
+
+
 def check_pulled_micro_batches(model, k: int) -> None:
     """The settings `GradientAccumulation(k, dataset_yields="micro_batches")` needs,
     checked alike by both trainers: a built model, and a `steps_per_execution`
@@ -227,5 +237,5 @@ def check_pulled_micro_batches(model, k: int) -> None:
             "build it (an `Input` layer, or call it once on a batch) before `fit`.")
 
 
-__all__ = ["MICRO_BATCH_SPLIT", "StepContext", "check_pulled_micro_batches",
+__all__ = ["MICRO_BATCH_SPLIT", "StepContext", "batches_per_update", "check_pulled_micro_batches",
            "check_state_replacement", "micro_batch_count"]

@@ -27,7 +27,7 @@ import keras
 from keras_tpu_mem import _compat, backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int, logger
-from keras_tpu_mem.backends.step import micro_batch_count
+from keras_tpu_mem.backends.step import batches_per_update, micro_batch_count
 from keras_tpu_mem.engine.feature import Feature, in_step_order, overrides
 
 _ = _compat  # the package docstring says where internals live
@@ -456,11 +456,7 @@ class Engine:
 
     def batches_per_update(self) -> int:
         """Dataset batches per update (1 unless a feature pulls micro-batches)."""
-        for feature in self.features:
-            count = feature.batches_per_update()
-            if count is not None:
-                return count
-        return 1
+        return batches_per_update(self.features)
 
     def pending_micro_batches(self) -> int:
         """Micro-batches pulled since the last update (0 at a window's end)."""

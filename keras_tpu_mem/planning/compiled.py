@@ -26,6 +26,7 @@ from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int, logger
 from keras_tpu_mem.backends.contracts import CompileRefused
+from keras_tpu_mem.backends.step import batches_per_update
 from keras_tpu_mem.devices.units import dtype_bytes
 from keras_tpu_mem.engine.compile import compile_context
 from keras_tpu_mem.engine.core import Engine
@@ -88,11 +89,6 @@ def _sorted(features):
     return in_step_order(features)
 
 
-def pulled_batches(features) -> int:
-    """Dataset batches per update these features pull (1: none; `Feature.batches_per_update`)."""
-    return max([feature.batches_per_update() or 1 for feature in features], default=1)
-
-
 def _micro_batches(model, features, per_replica_batch: int) -> int:
     """The micro-batches of one update for these features (1: none): the engine's
     split of the batch, or the batches pulled from the dataset (the compiled step is
@@ -101,7 +97,7 @@ def _micro_batches(model, features, per_replica_batch: int) -> int:
         return 1
     with compile_context(model, features):
         split = int(Engine.attach(model).micro_batch_count(per_replica_batch))
-    return max(split, pulled_batches(features))
+    return max(split, batches_per_update(features))
 
 
 def _device_bytes(items, backend, variables: bool = True) -> int:
@@ -346,7 +342,7 @@ class Compiler:
             features=tuple(type(f).__name__ for f in _sorted(features)),
             micro_batches=micro,
             accumulator_bytes=trainable if micro > 1 else 0,
-            pulled=pulled_batches(features) > 1,
+            pulled=batches_per_update(features) > 1,
             hlo_text=stats["hlo_text"],
             backend=self.backend_name,
             devices=stats["devices"],

@@ -176,17 +176,18 @@ class CompiledMemory:
         return self.argument_bytes - self.data_bytes
 
     @property
-    def activation_temp_bytes(self) -> int:
-        """The temporaries less the accumulators they hold (a micro-batch loop's; pulled
-        micro-batches' accumulators are arguments): activations, gradients, workspace."""
-        return self.temp_bytes - (0 if self.pulled else self.accumulator_bytes)
+    def temp_accumulator_bytes(self) -> int:
+        """The accumulators among the temporaries: a micro-batch loop's; none for pulled
+        micro-batches, whose accumulators are arguments. The rest of the temporaries
+        are activations, gradients and workspace."""
+        return 0 if self.pulled else self.accumulator_bytes
 
     def table(self) -> str:
         fb = devices.format_bytes
         accumulators = (f"accumulators {fb(self.accumulator_bytes)} ({self.micro_batches} "
                         f"micro-batches{' pulled' if self.pulled else ''})"
                         if self.accumulator_bytes else "")
-        carried = self.accumulator_bytes if self.pulled else 0
+        carried = self.accumulator_bytes - self.temp_accumulator_bytes  # arguments
         rows = [
             ("arguments", self.argument_bytes,
              f"weights {fb(self.weight_bytes)}, optimizer {fb(self.optimizer_bytes)}, "

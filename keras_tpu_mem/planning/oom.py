@@ -30,9 +30,9 @@ import re
 
 from keras_tpu_mem import backends, devices, engine
 from keras_tpu_mem._utils import logger
+from keras_tpu_mem.backends.step import batches_per_update
 from keras_tpu_mem.planning.budget import DeviceBudget, resolve_device
 from keras_tpu_mem.planning.by_layer_text import failing_lines
-from keras_tpu_mem.planning.compiled import pulled_batches
 from keras_tpu_mem.planning.memory_plan import candidates_table
 from keras_tpu_mem.planning.planner import plan
 from keras_tpu_mem.planning.search import _LEVER_NAMES
@@ -129,7 +129,7 @@ def explain_out_of_memory(model, features, global_batch_size, error,
     known = budget is not None
     # Micro-batches the dataset yields are split by the dataset: the search's levers,
     # which split a global batch, do not apply (`plan` refuses them).
-    pulled = pulled_batches(features) > 1
+    pulled = batches_per_update(features) > 1
     searched = known and not pulled
     if budget is None:
         budget = DeviceBudget("unknown", 0, replicas, "unknown")

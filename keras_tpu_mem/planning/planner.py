@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from keras_tpu_mem import backends
 from keras_tpu_mem._utils import check_positive_int
+from keras_tpu_mem.backends.step import batches_per_update
 from keras_tpu_mem.planning.budget import (
     ActivationModel,
     DeviceBudget,
@@ -23,7 +24,7 @@ from keras_tpu_mem.planning.budget import (
     resolve_device,
     usable_bytes,
 )
-from keras_tpu_mem.planning.compiled import Compiler, check_callbacks, pulled_batches
+from keras_tpu_mem.planning.compiled import Compiler, check_callbacks
 from keras_tpu_mem.planning.memory_plan import (
     MemoryPlan,
     Recommendation,
@@ -381,7 +382,7 @@ def _plan_on_compiles(model, global_batch_size, device, callbacks, search, accum
     if progress is not None and not callable(progress):
         raise TypeError(f"`progress` must be None or a callable, got {progress!r}.")
     features = check_callbacks(callbacks, "plan")
-    if search and pulled_batches(features) > 1:
+    if search and batches_per_update(features) > 1:
         raise ValueError(
             "plan: search=True varies how the global batch is split into micro-batches, "
             "and with GradientAccumulation(dataset_yields='micro_batches') the dataset "

@@ -591,13 +591,13 @@ def compiled_plan(compiler, features, *, budget_device, global_batch_size: int,
     k = ref.micro_batches
     accum = ref.accumulator_bytes
     temps = int(round(step.temp_bytes()))
-    activation = temps - (0 if ref.pulled else accum)  # pulled ones are arguments
+    activation = temps - ref.temp_accumulator_bytes
     weights, optimizer = ref.weight_bytes, ref.optimizer_bytes
     other = int(total - weights - optimizer - accum - activation - data_bytes)
     usable = usable_bytes(budget_device.capacity_bytes, headroom)
     trainable = _variable_bytes(_unique(user_model.trainable_weights))
     if step.extrapolated:
-        act = ActivationModel(tuple((r.batch_size, r.activation_temp_bytes)
+        act = ActivationModel(tuple((r.batch_size, r.temp_bytes - r.temp_accumulator_bytes)
                                     for r in step.results))
         per_sample, fixed = act.per_sample_bytes, act.fixed_bytes
     else:

@@ -234,16 +234,12 @@ def prepare_step(model, xs, ys, features, compile_context,
     distribution = _distribution()
     state = _state_structs(model, distribution)
     batch = _batch_structs(distribution, xs, ys)
-    out_shardings = None
-    if distribution is not None:
-        # As `Step.make_step` / Keras' `make_train_function`: the state comes
-        # back with the shardings it went in with (read from the layouts here,
-        # not from the variables' values, which a running fit has purged).
-        out_shardings = (None, jax.tree_util.tree_map(lambda s: s.sharding, state))
+    shardings = jax.tree_util.tree_map(lambda s: s.sharding, state)
+    # As `Step.make_step` / Keras' `make_train_function`: the state comes back with the
+    # shardings it went in with (read from the layouts here, not from the variables'
+    # values, which a running fit has purged).
+    out_shardings = None if distribution is None else (None, shardings)
     with compile_context(model, features) as backend_step:
-        # State split over the batch axis: the engine's sharded step, as `fit` runs
-        # it then even without features (`reducers.ShardedShardMap`).
-        shardings = jax.tree_util.tree_map(lambda s: s.sharding, state)
         k = backend_step.engine.batches_per_update()
         if k > 1:
             return _prepare_pulled_step(model, backend_step, k, state, batch, shardings,
@@ -253,6 +249,8 @@ def prepare_step(model, xs, ys, features, compile_context,
         shard_map_only = keras_step is False
         if keras_step is None:
             keras_step = not features and partitioner_shards_state()
+        # State split over the batch axis: the engine's sharded step, as `fit` runs
+        # it then even without features (`reducers.ShardedShardMap`).
         sharded = (not keras_step and model.optimizer is not None
                    and make_state_layout(model, shardings))
         # `keras_step=False`: the engine's `shard_map` step even where one micro-batch
@@ -260,17 +258,25 @@ def prepare_step(model, xs, ys, features, compile_context,
         with reducers.in_shard_map() if shard_map_only else contextlib.nullcontext():
             step = (backend_step.make_step(jit=False, state_shardings=shardings)
                     if features or sharded else model.train_step)
-        if out_shardings is not None and step is not model.train_step:
-            # A step whose features carry state (pruning masks) returns it after the
-            # model's: XLA lays that out as it likes, as it does in `fit`.
-            outputs = len(jax.eval_shape(step, state, batch))
-            out_shardings += (None,) * (outputs - len(out_shardings))
-        jitted = jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
-        platform, devices = _platform_and_devices(distribution)
-        try:
-            return _PreparedStep(jitted.lower(state, batch), platform, devices)
-        except Exception as err:
-            return _PreparedStep(None, platform, devices, err)
+        return _lowered(step, (state, batch), 0, out_shardings, distribution,
+                        carries=step is not model.train_step)
+
+
+def _lowered(step, args, donate_argnums, out_shardings, distribution,
+             carries: bool = True) -> _PreparedStep:
+    """`step` jitted as `fit` jits it (`donate_argnums`; `out_shardings` under a
+    distribution, else None) and lowered on `args`, not compiled. A step that `carries`
+    its features' state (pruning masks) returns it after the outputs `out_shardings`
+    names: XLA lays that out as it likes, as it does in `fit`."""
+    if out_shardings is not None and carries:
+        outputs = len(jax.eval_shape(step, *args))
+        out_shardings += (None,) * (outputs - len(out_shardings))
+    jitted = jax.jit(step, donate_argnums=donate_argnums, out_shardings=out_shardings)
+    platform, devices = _platform_and_devices(distribution)
+    try:
+        return _PreparedStep(jitted.lower(*args), platform, devices)
+    except Exception as err:
+        return _PreparedStep(None, platform, devices, err)
 
 
 def _prepare_pulled_step(model, backend_step, k: int, state, batch, shardings,
@@ -283,24 +289,16 @@ def _prepare_pulled_step(model, backend_step, k: int, state, batch, shardings,
     its gradient) and the optimizer's update besides."""
     check_pulled_micro_batches(model, k)
     steps, reducer = backend_step.make_pulled_steps(k, jit=False, state_shardings=shardings)
-    weight_shardings = shardings[0] if distribution is not None else None
-    accumulator_shardings = pulled.accumulator_shardings(model, reducer, weight_shardings)
+    accumulator_shardings = pulled.accumulator_shardings(model, reducer, shardings[0])
     accumulators = [
         _struct(shape, keras.backend.standardize_dtype(variable.dtype),
                 None if accumulator_shardings is None else accumulator_shardings[i])
         for i, (variable, shape) in enumerate(zip(model.trainable_variables,
                                                   pulled.accumulator_shapes(model, reducer)))]
-    out_shardings = None
-    if distribution is not None:
-        out_shardings = (None, tuple(shardings), accumulator_shardings)
-        outputs = len(jax.eval_shape(steps[True], state, accumulators, batch))
-        out_shardings += (None,) * (outputs - len(out_shardings))  # a feature's carried state
-    jitted = jax.jit(steps[True], donate_argnums=(0, 1), out_shardings=out_shardings)
-    platform, devices = _platform_and_devices(distribution)
-    try:
-        return _PreparedStep(jitted.lower(state, accumulators, batch), platform, devices)
-    except Exception as err:
-        return _PreparedStep(None, platform, devices, err)
+    out_shardings = (None if distribution is None
+                     else (None, shardings, accumulator_shardings))
+    return _lowered(steps[True], (state, accumulators, batch), (0, 1), out_shardings,
+                    distribution)
 
 
 #: One thread for XLA's compiles while the caller goes on (`compile_step(meanwhile=)`):
