@@ -89,6 +89,42 @@ def test_jax_state():
     assert model.trainable_variables[0].value is not None  # not purged
 
 
+def test_fit_state_values_reads_the_training_state_without_syncing_it():
+    """Mid-epoch, `fit_state_values` reads Keras' training state where the fit holds
+    it (the variables stay unsynced) and gives what the `model` property's sync then
+    puts into the variables; a Keras variable the state does not hold syncs it."""
+    model = _compiled()
+    x, y = toy_data()
+    other, leaf = keras.Variable(np.full((2,), 3.0, "float32")), type("Leaf", (), {})()
+    leaf.value = np.ones(3)
+    seen = {}
+
+    class Read(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch != 3:
+                return
+            own = self._model
+            variables = own.variables + own.optimizer.variables + own.metrics_variables
+            read = jax_compat.fit_state_values(own, variables + [leaf])
+            seen["iterations"] = read[[id(v) for v in variables].index(
+                id(own.optimizer.iterations))]
+            seen["unsynced"] = not jax_compat.state_synced(own)
+            seen["read"] = [np.asarray(value) for value in read]
+            seen["synced"] = [np.asarray(v.value) for v in self.model.variables
+                              + own.optimizer.variables + own.metrics_variables] + [leaf.value]
+            jax_compat.set_state_synced(own, False)  # the state is out again
+            seen["other"] = jax_compat.fit_state_values(own, [other])[0]
+            seen["synced by other"] = jax_compat.state_synced(own)
+
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Read()])
+    assert seen["unsynced"] and seen["synced by other"]
+    assert len(seen["read"]) == len(seen["synced"])
+    for read, synced in zip(seen["read"], seen["synced"]):
+        np.testing.assert_array_equal(read, synced)
+    assert int(seen["iterations"]) == 3  # the state before batch 3, not the variables'
+    np.testing.assert_array_equal(seen["other"], [3.0, 3.0])
+
+
 def test_distribute_data():
     x, y = toy_data(32, classes=8)
     with make_distribution("dp8").scope():

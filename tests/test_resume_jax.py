@@ -123,8 +123,11 @@ def test_split_state_without_orbax_is_refused_at_train_begin(tmp_path, monkeypat
     """State split over processes (not fully addressable, not replicated) is written
     through Orbax; `orbax=False`, or Orbax not installed, is refused by name in
     on_train_begin, before a save or restore, not at the first save."""
+    import keras
+
     from keras_tpu_mem.backends.jax import sharded_checkpoint
     from keras_tpu_mem.backends.jax.trainer import Step
+    from keras_tpu_mem.engine import Engine
 
     class Spread:
         is_fully_addressable, is_fully_replicated = False, False
@@ -139,8 +142,9 @@ def test_split_state_without_orbax_is_refused_at_train_begin(tmp_path, monkeypat
         path, value = "dense/bias", Replicated()
 
     assert Step.split_over_processes([ReplicatedVariable(), Variable()]) == ["dense/kernel"]
+    step = Step(Engine.attach(keras.Sequential([keras.layers.Dense(1)])))
     with pytest.raises(ValueError, match=r"e\.g\. 'dense/kernel'\) are split over several"):
-        Step.state_values([ReplicatedVariable(), Variable()])
+        step.state_values([ReplicatedVariable(), Variable()])
     with pytest.raises(ValueError, match=r"orbax=False.*e\.g\. 'sequential\w*/dense\w*/kernel'"):
         _split_fit(tmp_path, monkeypatch, orbax=False)
     assert list(tmp_path.iterdir()) == []

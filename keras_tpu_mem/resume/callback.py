@@ -644,7 +644,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             writer.close()
 
     def _save(self, epoch: int, batch: int) -> None:
-        model = self.model  # on JAX the property syncs the training state into the variables
+        # Not the `model` property: on JAX it syncs Keras' training state into every
+        # variable (and Keras gathers it back before the next step), where
+        # `state_values` reads the state as it is.
+        model = self._model
         self._batches = 0
         writes = self._engine.backend_step.writes_checkpoints()
         if not writes and not self._sharded:
@@ -662,6 +665,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if self._sharded:
             update = self._updates_made(model)
             self._last_saved = self._base_update = update
+            _ = self.model  # Orbax reads the variables' arrays: the property syncs them (JAX)
             self._save_sharded(update, meta, writes)
             return
         # Everything is prepared before this read, which waits for the steps in flight
