@@ -23,6 +23,10 @@ sequences) 8 times, so an epoch is 1,120 and 64 updates.
 * `hook`         an empty Keras callback with a batch hook (Keras' own
                  per-batch cost of any such callback). Neither is in the default
                  set.
+* `read:synced` `every=20` with the state read as first built: synced into
+                 the variables by the callback's `model` property, then
+                 `jax.device_get` (since 2026-12-06 it is read where Keras' fit
+                 holds it). Not in the default set.
 * `write:...`    where an asynchronous save's cost goes: `every=20` with the
                  writer thread's work replaced by `nothing` (the save's part on
                  the training thread alone), a 4 ms `sleep` (no CPU), 2 MB of
@@ -80,7 +84,7 @@ PROBES = {"nothing": "nothing written", "sleep": "a 4 ms sleep",
           "fresh": "a new folder each time (the pruned one deleted, not written over)"}
 #: The `PROBES` that change the real write rather than replace it.
 CHANGES = ("onebuffer", "nosync", "idle", "fresh")
-ALL_CONFIGS = (*CONFIGS, "orbax/20", "async/epoch", "hook",
+ALL_CONFIGS = (*CONFIGS, "orbax/20", "async/epoch", "hook", "read:synced",
                *(f"write:{probe}" for probe in PROBES))
 LABELS = {"none": "none", "async/20": "`ResumableCheckpoint(every=20)`",
           "sync/20": "`ResumableCheckpoint(every=20, asynchronous=False)`",
@@ -88,6 +92,8 @@ LABELS = {"none": "none", "async/20": "`ResumableCheckpoint(every=20)`",
           "orbax/20": "`ResumableCheckpoint(every=20, orbax=True)`",
           "async/epoch": "`ResumableCheckpoint(every=10**9)` (the epoch-end save only)",
           "hook": "an empty Keras callback with a batch hook",
+          "read:synced": "`every=20`, the state synced into the variables and read with "
+                         "`jax.device_get` (the read as first built)",
           **{f"write:{probe}": (f"`every=20`, the write with {label}" if probe in CHANGES
                                 else f"`every=20`, the writer's work replaced by {label}")
              for probe, label in PROBES.items()}}
@@ -125,6 +131,34 @@ def _writer_probe(probe: str | None, directory: str):
         os.fsync = fsync
         for name, value in saved.items():
             setattr(store, name, value)
+
+
+@contextlib.contextmanager
+def _read_synced(active: bool):
+    """Within it, where `active` (`read:synced`), a save reads the state as first
+    built: the callback's `model` property syncs Keras' training state into the
+    variables (which Keras gathers back before the next step), then one
+    `jax.device_get` of their values."""
+    if not active:
+        yield
+        return
+    import jax
+
+    from keras_tpu_mem.backends.jax.trainer import Step
+    from keras_tpu_mem.resume.callback import ResumableCheckpoint
+
+    save, values = ResumableCheckpoint._save, Step.state_values
+
+    def synced_save(self, epoch, batch):
+        _ = self.model  # the property syncs
+        return save(self, epoch, batch)
+    ResumableCheckpoint._save = synced_save
+    Step.state_values = lambda self, variables: list(
+        jax.device_get([variable.value for variable in variables]))
+    try:
+        yield
+    finally:
+        ResumableCheckpoint._save, Step.state_values = save, values
 
 
 def _save_state_one_buffer(path: str, arrays: list) -> tuple[int, int]:
@@ -254,7 +288,8 @@ def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
             directory = os.path.join(root, name, config.replace("/", "_"), str(r))
             probe = config[len("write:"):] if config.startswith("write:") else None
             callbacks = _callbacks(config, directory)
-            with scope(), _writer_probe(probe, directory):
+            with scope(), _writer_probe(probe, directory), \
+                    _read_synced(config == "read:synced"):
                 start = time.perf_counter()
                 model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
                           callbacks=callbacks)

@@ -89,10 +89,11 @@ def test_jax_state():
     assert model.trainable_variables[0].value is not None  # not purged
 
 
-def test_fit_state_values_reads_the_training_state_without_syncing_it():
+def test_fit_state_index_and_fit_state_values_read_the_state_without_syncing_it():
     """Mid-epoch, `fit_state_values` reads Keras' training state where the fit holds
-    it (the variables stay unsynced) and gives what the `model` property's sync then
-    puts into the variables; a Keras variable the state does not hold syncs it."""
+    it (`fit_state_index` places each variable; the variables stay unsynced) and
+    gives what the `model` property's sync then puts into the variables; a Keras
+    variable the index does not place syncs the state."""
     model = _compiled()
     x, y = toy_data()
     other, leaf = keras.Variable(np.full((2,), 3.0, "float32")), type("Leaf", (), {})()
@@ -105,15 +106,16 @@ def test_fit_state_values_reads_the_training_state_without_syncing_it():
                 return
             own = self._model
             variables = own.variables + own.optimizer.variables + own.metrics_variables
-            read = jax_compat.fit_state_values(own, variables + [leaf])
+            index = jax_compat.fit_state_index(own)
+            read = jax_compat.fit_state_values(own, variables + [leaf], index)
+            seen["unsynced"] = not jax_compat.state_synced(own)
             seen["iterations"] = read[[id(v) for v in variables].index(
                 id(own.optimizer.iterations))]
-            seen["unsynced"] = not jax_compat.state_synced(own)
             seen["read"] = [np.asarray(value) for value in read]
             seen["synced"] = [np.asarray(v.value) for v in self.model.variables
                               + own.optimizer.variables + own.metrics_variables] + [leaf.value]
             jax_compat.set_state_synced(own, False)  # the state is out again
-            seen["other"] = jax_compat.fit_state_values(own, [other])[0]
+            seen["other"] = jax_compat.fit_state_values(own, [other], index)[0]
             seen["synced by other"] = jax_compat.state_synced(own)
 
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Read()])

@@ -249,38 +249,47 @@ def set_state_synced(model, value: bool) -> None:
     model._jax_state_synced = value
 
 
-def fit_state_values(model, variables) -> list:
-    """The values of `variables` where Keras' JAX `fit` holds them now, without
-    syncing them into the variables; an object that is no Keras variable gives its
-    own `.value`.
+def fit_state_index(model) -> dict:
+    """Where Keras' JAX `fit` holds each variable's value while its training state is
+    out of the variables: `id(variable)` -> `(list, position)` in
+    `JAXTrainer._jax_state` (3.12-3.16: four lists, in the order of
+    `trainable_variables`, `non_trainable_variables`, `optimizer.variables`,
+    `metrics_variables`). Valid while the model keeps these variables (one fit):
+    walking the model for it takes longer than reading the values."""
+    optimizer = getattr(model, "optimizer", None)
+    index = {}
+    for key, owners in (("trainable_variables", model.trainable_variables),
+                        ("non_trainable_variables", model.non_trainable_variables),
+                        ("optimizer_variables",
+                         optimizer.variables if optimizer is not None else []),
+                        ("metrics_variables", model.metrics_variables)):
+        for position, variable in enumerate(owners):
+            index.setdefault(id(variable), (key, position))
+    return index
 
-    Mid-epoch Keras keeps the training state out of the variables (3.12-3.16:
-    `JAXTrainer._jax_state`, its four lists in the order of `trainable_variables`,
-    `non_trainable_variables`, `optimizer.variables`, `metrics_variables`; the
-    variables are emptied, and an emptied variable reads its initializer's value).
-    A callback's `model` property syncs it back (`jax_state_sync`), which assigns
-    every variable and makes Keras gather and empty them again before the next step:
-    about 0.3 ms of the training thread for the digits MLP's 22 variables, as much
-    as the copy of the state off the device. A Keras variable the state does not
-    hold while it is out (none is known) syncs it after all.
+
+def fit_state_values(model, variables, index: dict) -> list:
+    """The values of `variables` where Keras' JAX `fit` holds them now, without
+    syncing them into the variables (`index`: `fit_state_index` of this fit); an
+    object that is no Keras variable gives its own `.value`.
+
+    Mid-epoch Keras keeps the training state out of the variables
+    (`JAXTrainer._jax_state`) and empties them (an emptied variable reads its
+    initializer's value). A callback's `model` property syncs the state back
+    (`jax_state_sync`), which assigns every variable and makes Keras gather and
+    empty them again before the next step, on the training thread while the
+    device waits. A Keras variable the index does not place (none is known) syncs
+    the state after all.
     """
     import keras
 
     state = getattr(model, "_jax_state", None)
     if state and not state_synced(model):
-        held = {}
-        optimizer = getattr(model, "optimizer", None)
-        for key, owners in (("trainable_variables", model.trainable_variables),
-                            ("non_trainable_variables", model.non_trainable_variables),
-                            ("optimizer_variables",
-                             optimizer.variables if optimizer is not None else []),
-                            ("metrics_variables", model.metrics_variables)):
-            values = state.get(key) or []
-            if len(values) == len(owners):
-                held.update(zip(map(id, owners), values))
-        if all(id(v) in held for v in variables if isinstance(v, keras.Variable)):
-            return [held[id(v)] if isinstance(v, keras.Variable) else v.value
-                    for v in variables]
+        places = [index.get(id(v)) if isinstance(v, keras.Variable) else ()
+                  for v in variables]
+        if None not in places:
+            return [state[place[0]][place[1]] if place else v.value
+                    for v, place in zip(variables, places)]
         model.jax_state_sync()
     return [v.value for v in variables]
 

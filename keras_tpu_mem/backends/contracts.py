@@ -537,6 +537,8 @@ class Trainer(Protocol):
     count)`: a resumed fit's call that reads its batches and runs no step,
     `abandon_call(args)`: a refused call's state put back into the variables,
     `state_values(variables)`: their values as numpy arrays outside the step,
+    `state_reader()`: a `state_values` for the rest of this fit, with what it
+    needs prepared once,
     `split_over_processes(variables)`: the paths of those no process holds whole
     (`state_values` refuses them; `ShardedCheckpoint` writes them),
     `writes_checkpoints()`: whether this process writes what it reads (one process

@@ -309,6 +309,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # This fit's position and restore, set again at each on_train_begin.
         self._resume_at = self._metrics_values = self._saved_global_batch = None
         self._undo = self._last_begin = self._epoch_order = self._saved_groups = None
+        self._read_state = None
         # Whether this fit writes through Orbax (`orbax`, or state split over processes),
         # and Orbax's writer (made at the fit's first such save).
         self._sharded, self._sharded_writer = False, None
@@ -355,7 +356,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         """Group name -> `(path, numpy value)` of each of its variables now, from one
         read of them all."""
         readable = {name: _readable(group) for name, group in groups.items()}
-        values = iter(self._engine.backend_step.state_values(
+        if self._read_state is None:  # once a fit, with `_saved_groups`
+            self._read_state = self._engine.backend_step.state_reader()
+        values = iter(self._read_state(
             [variable for group in readable.values() for variable in group]))
         return {name: [(variable.path, next(values)) for variable in group]
                 for name, group in readable.items()}
@@ -376,6 +379,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # Decided here, before anything is restored, not at the first save.
         self._sharded = self._writes_sharded(readable)
         self._resume_at = self._metrics_values = self._undo = self._saved_groups = None
+        self._read_state = None
         self._position_pending = False
         self.resumed_from = None
         self._restore_latest(model, groups, readable)

@@ -221,27 +221,36 @@ class Step:
         return [v.path for v in variables if _split_over_processes(v.value)]
 
     def state_values(self, variables) -> list:
-        """The variables' values as numpy arrays, outside the step, read where Keras'
-        `fit` holds them now (`jax_compat.fit_state_values`: mid-epoch they are not
-        synced into the variables for it): a replicated value from this process's
-        first copy. A value split over several processes' devices is refused
-        (`split_over_processes`)."""
-        values = jax_compat.fit_state_values(self.model, variables)
-        split = [v.path for v, value in zip(variables, values) if _split_over_processes(value)]
-        if split:
-            raise ValueError(
-                f"{len(split)} values (e.g. {split[0]!r}) are split over several "
-                f"processes' devices (this job has {jax.process_count()} processes): "
-                "no process holds them whole to read.")
-        arrays = [value.addressable_data(0) if isinstance(value, jax.Array)
-                  and not value.is_fully_addressable else value for value in values]
-        # Every copy is started before the first is waited for (a save reads some
-        # twenty arrays right after the steps in flight), as `jax.device_get` does,
-        # without its walk of a tree: half of its time for twenty small arrays.
-        for array in arrays:
-            if isinstance(array, jax.Array):
-                array.copy_to_host_async()
-        return [np.asarray(array) for array in arrays]
+        """The variables' values as numpy arrays, outside the step (`state_reader`)."""
+        return self.state_reader()(variables)
+
+    def state_reader(self):
+        """`read(variables)`: their values as numpy arrays, outside the step, for the
+        rest of this fit, read where Keras' `fit` holds them (mid-epoch not synced
+        into the variables for it: `jax_compat.fit_state_values`): a replicated
+        value from this process's first copy. A value split over several processes'
+        devices is refused (`split_over_processes`)."""
+        model, index = self.model, jax_compat.fit_state_index(self.model)
+
+        def read(variables) -> list:
+            values = jax_compat.fit_state_values(model, variables, index)
+            split = [v.path for v, value in zip(variables, values)
+                     if _split_over_processes(value)]
+            if split:
+                raise ValueError(
+                    f"{len(split)} values (e.g. {split[0]!r}) are split over several "
+                    f"processes' devices (this job has {jax.process_count()} "
+                    "processes): no process holds them whole to read.")
+            arrays = [value.addressable_data(0) if isinstance(value, jax.Array)
+                      and not value.is_fully_addressable else value for value in values]
+            # Every copy is started before the first is waited for (a save reads some
+            # twenty arrays right after the steps in flight), as `jax.device_get`
+            # does, without its walk of a tree.
+            for array in arrays:
+                if isinstance(array, jax.Array):
+                    array.copy_to_host_async()
+            return [np.asarray(array) for array in arrays]
+        return read
 
     @staticmethod
     def writes_checkpoints() -> bool:

@@ -114,6 +114,11 @@ class Step:
         return True
 
     @staticmethod
+    def state_reader():
+        """`read(variables)`: `state_values` (nothing to prepare once a fit)."""
+        return Step.state_values
+
+    @staticmethod
     def state_values(variables) -> list:
         """The variables' values as numpy arrays, outside the step. A variable that
         syncs on read (a metric's total under a strategy) reads its aggregate over
