@@ -82,6 +82,23 @@ def test_same_sums_with_features(make):
     assert table["wide"].at_peak > 0 and table["narrow"].at_peak > 0
 
 
+def test_pulled_micro_batches_attribute_the_accumulators_to_their_layers():
+    """The step that applies an update of micro-batches pulled from the dataset holds
+    one accumulator per trainable weight (arguments, written over with zeros): each
+    counts at the peak to its weight's layer, not "unattributed", and the rows stay
+    within the compiled total (XLA:CPU's live ranges list an in-place instruction's
+    operand and result both: summed as listed, JAX's peak exceeded the total)."""
+    model = floor_model()
+    result = compiled_memory(model, 512, callbacks=[
+        ktm.GradientAccumulation(4, dataset_yields="micro_batches")], hlo_text=False)
+    assert result.pulled
+    table = result.by_layer()
+    check_sums(model, result, table)
+    assert table["unattributed"].at_peak <= 1024
+    for layer in model.layers:  # its weights, two Adam slots and its accumulator
+        assert table[layer.name].at_peak >= 4 * nbytes(layer.weights)
+
+
 def test_hand_built_compiled_memory_refuses():
     bare = CompiledMemory(batch_size=1, argument_bytes=0, data_bytes=0, temp_bytes=0,
                           live_out_bytes=0, alias_bytes=0, constant_bytes=0, weight_bytes=0,

@@ -22,7 +22,8 @@ whose last use is a backward instruction: what the forward pass keeps for the
 gradient, read from the uses rather than from one step where "the backward pass
 starts" (XLA schedules backward instructions that need no forward value early). Its
 `at_peak` are its buffers in the live-range dump's peak list, so the rows sum to
-XLA's peak exactly.
+XLA's peak exactly, with buffers that share one place in the buffer assignment (an
+instruction that writes over its operand) counted once.
 
 Contract: `keras_tpu_mem.backends.contracts.CompiledLayers`.
 """
@@ -41,6 +42,7 @@ _COMPUTATION = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+) .*\{\s*$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _STATE = re.compile(r"^state\[(\d+)\]\[(\d+)\]$")
+_ACCUMULATOR = re.compile(r"^accumulators\[(\d+)\]$")
 _VALUE = re.compile(r"<\d+ ([\w.\-]+(?:\{[\d,]*\})?) @\d+> \(size=(\d+),")
 _RANGE = re.compile(r"^\s+([\w.\-]+)(\{[\d,]*\}):(\d+)-(\d+)\s*$")
 _PEAK_LINE = re.compile(r"^\s+([\w.\-]+)(\{[\d,]*\}): (\d+) bytes")
@@ -120,6 +122,66 @@ def _parse_sizes(text: str) -> dict:
         base, _, index = name.partition("{")
         sizes[_key(base, "{" + index if index else "")] = int(size)
     return sizes
+
+
+_SLOT = re.compile(r"<\d+ ([\w.\-]+(?:\{[\d,]*\})?) @\d+> \(size=(\d+),offset=(\d+)\)")
+_ALLOCATION_INDEX = re.compile(r"^allocation (\d+):")
+
+
+def _parse_slots(text: str) -> dict:
+    """`{buffer: (allocation, offset)}`: where the buffer assignment puts each logical
+    buffer."""
+    slots, allocation = {}, None
+    for line in text.splitlines():
+        head = _ALLOCATION_INDEX.match(line)
+        if head:
+            allocation = int(head.group(1))
+            continue
+        for name, _size, offset in _SLOT.findall(line):
+            base, _, index = name.partition("{")
+            slots[_key(base, "{" + index if index else "")] = (allocation, int(offset))
+    return slots
+
+
+def _parameter_homes(text: str, shape: dict) -> dict:
+    """`{buffer: parameter}`: each logical buffer the buffer assignment places in an
+    entry parameter's allocation (`allocation N: size S, parameter P, ...`), other than
+    the parameter itself."""
+    homes, allocations, members = {}, [], None
+    for line in text.splitlines():
+        head = _ALLOCATION_INDEX.match(line)
+        if head:
+            members = [] if ", parameter " in line else None
+            if members is not None:
+                allocations.append(members)
+            continue
+        if members is not None:
+            for name, _size, _offset in _SLOT.findall(line):
+                base, _, index = name.partition("{")
+                members.append(_key(base, "{" + index if index else ""))
+    for members in allocations:
+        params = [name for name in members
+                  if shape.get(name.partition("{")[0], ("",))[0] == "parameter"]
+        if len(params) == 1:
+            homes.update({name: params[0] for name in members if name != params[0]})
+    return homes
+
+
+def _one_per_slot(peak: dict, slots: dict) -> dict:
+    """The peak's buffers, those that share one place counted once (the largest).
+    XLA's live-range peak lists both the operand and the result of an instruction
+    that writes over its operand (an elementwise fusion: Adam's slot update, a pulled
+    step's accumulator), though the buffer assignment gives them one slice of one
+    allocation: summed as listed, a pulled step's peak exceeded its compiled total."""
+    kept, taken = {}, set()
+    for buffer, size in sorted(peak.items(), key=lambda item: -item[1]):
+        slot = slots.get(buffer)
+        if slot is not None:
+            if slot in taken:
+                continue
+            taken.add(slot)
+        kept[buffer] = size
+    return kept
 
 
 _ALLOCATION = re.compile(r"^allocation \d+: size \d+,(?: color (\d+),)?")
@@ -243,6 +305,10 @@ class _Attributor:
         if state:
             return self.state_rows.get((int(state.group(1)), int(state.group(2))),
                                        UNATTRIBUTED), "param"
+        accumulator = _ACCUMULATOR.match(op_name)
+        if accumulator:
+            return self.state_rows.get(("accumulators", int(accumulator.group(1))),
+                                       UNATTRIBUTED), "param"
         if op_name.startswith("data["):
             return INPUTS, "param"
         layer = self.layer_of(op_name)
@@ -272,6 +338,9 @@ def layer_rows(model, texts: dict, device_shape):
              model.optimizer.variables, model.metrics_variables)
     state_rows = {(i, j): variable_rows.get(id(v), UNATTRIBUTED)
                   for i, variables in enumerate(state) for j, v in enumerate(variables)}
+    # A pulled step's accumulators: the rows of the trainable weights they sum for.
+    state_rows.update({("accumulators", j): variable_rows.get(id(v), UNATTRIBUTED)
+                       for j, v in enumerate(model.trainable_variables)})
 
     instructions, computations, shape = _parse_hlo(texts["hlo"])
     sequence, ranges, peak = _parse_live(texts["live"])
@@ -279,12 +348,19 @@ def layer_rows(model, texts: dict, device_shape):
     # XLA:TPU also assigns on-chip memories (VMEM, SMEM: allocations with a "color");
     # the compiled total, like the device's capacity, is HBM only.
     on_chip = _on_chip_buffers(texts["buffers"])
-    peak = {buffer: size for buffer, size in peak.items() if buffer not in on_chip}
+    peak = _one_per_slot({buffer: size for buffer, size in peak.items()
+                          if buffer not in on_chip}, _parse_slots(texts["buffers"]))
     attribute = _Attributor(instructions, computations, shape, names, state_rows)
 
     _state_as_laid_out(rows, state_rows, instructions, shape, sizes)
+    homes = _parameter_homes(texts["buffers"], shape)
     for buffer, size in peak.items():
-        rows[attribute.buffer(buffer)[0]][_PEAK] += size
+        row = attribute.buffer(buffer)[0]
+        if row == UNATTRIBUTED and buffer in homes:
+            # Written into a donated parameter's buffer with nothing that names its
+            # owner (a pulled step's zeroed accumulators): the new value of that state.
+            row = attribute.buffer(homes[buffer])[0]
+        rows[row][_PEAK] += size
     # Kept for the gradient: a forward buffer of the layer whose last use is an
     # instruction of the backward pass (`transpose(...)`). Read from the uses, not from
     # one "backward starts here" step: XLA schedules backward ops that need no

@@ -210,13 +210,14 @@ def _replica_step(model, step):
     micro-batches pulled from the dataset the step that applies the update (the k-th
     micro-batch's gradient added to the accumulators, then the optimizer), its
     accumulators made here, as `fit` makes them, and captured by the compile (entry
-    parameters, as the weights are)."""
+    parameters, as the weights are). Returns `(step, accumulators)`: one per trainable
+    weight, in their order (none without pulled micro-batches)."""
     k = step.engine.batches_per_update()
     if k <= 1:
-        return step._replica_step
+        return step._replica_step, []
     check_pulled_micro_batches(model, k)
     accumulators = step._make_accumulators(tf.distribute.get_strategy())
-    return lambda data: step._pulled_micro_step(data, True, accumulators, k)
+    return lambda data: step._pulled_micro_step(data, True, accumulators, k), accumulators
 
 
 def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
@@ -247,10 +248,12 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
     # leaves and rebuild (x, y) inside.
     structure = (xs, ys)
     flat = keras.tree.flatten(structure)
+    accumulators = []
     with contextlib.ExitStack() as stack:
         if features:
             step = stack.enter_context(compile_context(model, features))
-            train_step = tf.autograph.experimental.do_not_convert(_replica_step(model, step))
+            replica_step, accumulators = _replica_step(model, step)
+            train_step = tf.autograph.experimental.do_not_convert(replica_step)
         else:
             train_step = model.train_step
 
@@ -266,9 +269,11 @@ def compile_step(model, xs, ys, features, compile_context, hlo_text: bool,
             text = generator(stage="optimized_hlo") if hlo_text else ""
             if dump:
                 # For `compiled_layers`: the proto itself and what each entry parameter
-                # is (the batch's leaves, then the function's captures in order).
+                # is (the batch's leaves, then the function's captures in order), and
+                # the pulled step's accumulators (one per trainable weight).
                 captures = one_train_step.get_concrete_function(*flat).captured_inputs
-                dumped = dict(proto=proto, leaves=len(flat), captures=list(captures))
+                dumped = dict(proto=proto, leaves=len(flat), captures=list(captures),
+                              accumulators=list(accumulators))
         except Exception as err:
             raise RuntimeError(
                 f"XLA could not compile {description} for the host "

@@ -6,7 +6,8 @@ defining instructions, the allocations and the heap simulator's trace of the
 temporaries) and the step function's captures. Each buffer is attributed to a row:
 
 * an entry parameter: the batch's leaves come first ("inputs"), then the function's
-  captured variables in order: a weight's layer, a slot's layer, "optimizer";
+  captured variables in order: a weight's layer, a slot's layer, "optimizer" (a
+  pulled step's accumulator: its weight's layer);
 * any other instruction by its `op_name`, e.g. `sequential/wide/MatMul` (forward) or
   `gradient_tape/sequential/wide/MatMul_1` (backward): the deepest scope that names a
   layer (TensorFlow may suffix a reused name scope, `wide_1`: an exact name first,
@@ -162,6 +163,11 @@ def layer_rows(model, texts: dict, device_shape):
             handles[id(handle)] = variable_rows.get(id(variable), UNATTRIBUTED)
             if id(variable) in weights:
                 weight_handles.add(id(handle))
+    # A pulled step's accumulators: the rows of the trainable weights they sum for.
+    for accumulator, weight in zip(texts.get("accumulators", ()), model.trainable_weights):
+        handle = getattr(accumulator, "handle", None)
+        if handle is not None:
+            handles[id(handle)] = variable_rows.get(id(weight), UNATTRIBUTED)
     number_rows = {}
     for number in range(texts["leaves"]):
         number_rows[number] = INPUTS
