@@ -350,15 +350,20 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                                             groups[_OPTIMIZER]):
                 if variable is iterations:
                     return int(value)
-        return int(self._engine.backend_step.state_values([iterations])[0])
+        return int(self._reader()([iterations])[0])
+
+    def _reader(self):
+        """This fit's `state_reader` (made at its first save, when the step has made
+        every variable)."""
+        if self._read_state is None:
+            self._read_state = self._engine.backend_step.state_reader()
+        return self._read_state
 
     def _read_groups(self, groups: dict[str, list]) -> dict[str, list]:
         """Group name -> `(path, numpy value)` of each of its variables now, from one
         read of them all."""
         readable = {name: _readable(group) for name, group in groups.items()}
-        if self._read_state is None:  # once a fit, with `_saved_groups`
-            self._read_state = self._engine.backend_step.state_reader()
-        values = iter(self._read_state(
+        values = iter(self._reader()(
             [variable for group in readable.values() for variable in group]))
         return {name: [(variable.path, next(values)) for variable in group]
                 for name, group in readable.items()}
@@ -383,7 +388,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._position_pending = False
         self.resumed_from = None
         self._restore_latest(model, groups, readable)
-        self._base_update = self._updates_made(model)
+        # Read here once, not through this fit's `_reader`, which is made at the first
+        # save, once the step has made every variable.
+        self._base_update = int(self._engine.backend_step.state_values(
+            [model.optimizer.iterations])[0])
         self._last_saved = self._base_update
         self._batches = 0  # batches run since `_base_update` was read
         self._last_begin = None

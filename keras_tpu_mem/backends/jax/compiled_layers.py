@@ -115,56 +115,46 @@ def _parse_live(text: str):
     return sequence, ranges, peak
 
 
+def _buffer_key(name: str) -> str:
+    """The key of a logical buffer the buffer assignment names `name` or `name{k}`."""
+    base, _, index = name.partition("{")
+    return _key(base, "{" + index if index else "")
+
+
 def _parse_sizes(text: str) -> dict:
     """`{buffer: bytes}` of every logical buffer in the buffer assignment."""
-    sizes = {}
-    for name, size in _VALUE.findall(text):
-        base, _, index = name.partition("{")
-        sizes[_key(base, "{" + index if index else "")] = int(size)
-    return sizes
+    return {_buffer_key(name): int(size) for name, size in _VALUE.findall(text)}
 
 
 _SLOT = re.compile(r"<\d+ ([\w.\-]+(?:\{[\d,]*\})?) @\d+> \(size=(\d+),offset=(\d+)\)")
 _ALLOCATION_INDEX = re.compile(r"^allocation (\d+):")
 
 
-def _parse_slots(text: str) -> dict:
-    """`{buffer: (allocation, offset)}`: where the buffer assignment puts each logical
-    buffer."""
-    slots, allocation = {}, None
+def _parse_places(text: str, shape: dict) -> tuple[dict, dict]:
+    """From one read of the buffer assignment: `{buffer: (allocation, offset)}`, where it
+    puts each logical buffer, and `{buffer: parameter}`, each buffer it places in an
+    entry parameter's allocation (`allocation N: size S, parameter P, ...`) other than
+    the parameter itself."""
+    slots, parameter_allocations, allocation = {}, {}, None
     for line in text.splitlines():
         head = _ALLOCATION_INDEX.match(line)
         if head:
             allocation = int(head.group(1))
+            if ", parameter " in line:
+                parameter_allocations[allocation] = []
             continue
         for name, _size, offset in _SLOT.findall(line):
-            base, _, index = name.partition("{")
-            slots[_key(base, "{" + index if index else "")] = (allocation, int(offset))
-    return slots
-
-
-def _parameter_homes(text: str, shape: dict) -> dict:
-    """`{buffer: parameter}`: each logical buffer the buffer assignment places in an
-    entry parameter's allocation (`allocation N: size S, parameter P, ...`), other than
-    the parameter itself."""
-    homes, allocations, members = {}, [], None
-    for line in text.splitlines():
-        head = _ALLOCATION_INDEX.match(line)
-        if head:
-            members = [] if ", parameter " in line else None
-            if members is not None:
-                allocations.append(members)
-            continue
-        if members is not None:
-            for name, _size, _offset in _SLOT.findall(line):
-                base, _, index = name.partition("{")
-                members.append(_key(base, "{" + index if index else ""))
-    for members in allocations:
+            buffer = _buffer_key(name)
+            slots[buffer] = (allocation, int(offset))
+            if allocation in parameter_allocations:
+                parameter_allocations[allocation].append(buffer)
+    homes = {}
+    for members in parameter_allocations.values():
         params = [name for name in members
                   if shape.get(name.partition("{")[0], ("",))[0] == "parameter"]
         if len(params) == 1:
             homes.update({name: params[0] for name in members if name != params[0]})
-    return homes
+    return slots, homes
 
 
 def _one_per_slot(peak: dict, slots: dict) -> dict:
@@ -197,9 +187,7 @@ def _on_chip_buffers(text: str) -> set:
             color = int(head.group(1) or 0)
             continue
         if color:
-            for name, _size in _VALUE.findall(line):
-                base, _, index = name.partition("{")
-                buffers.add(_key(base, "{" + index if index else ""))
+            buffers.update(_buffer_key(name) for name, _size in _VALUE.findall(line))
     return buffers
 
 
@@ -348,12 +336,12 @@ def layer_rows(model, texts: dict, device_shape):
     # XLA:TPU also assigns on-chip memories (VMEM, SMEM: allocations with a "color");
     # the compiled total, like the device's capacity, is HBM only.
     on_chip = _on_chip_buffers(texts["buffers"])
+    slots, homes = _parse_places(texts["buffers"], shape)
     peak = _one_per_slot({buffer: size for buffer, size in peak.items()
-                          if buffer not in on_chip}, _parse_slots(texts["buffers"]))
+                          if buffer not in on_chip}, slots)
     attribute = _Attributor(instructions, computations, shape, names, state_rows)
 
     _state_as_laid_out(rows, state_rows, instructions, shape, sizes)
-    homes = _parameter_homes(texts["buffers"], shape)
     for buffer, size in peak.items():
         row = attribute.buffer(buffer)[0]
         if row == UNATTRIBUTED and buffer in homes:
