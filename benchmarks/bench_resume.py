@@ -9,8 +9,8 @@ The digits (1,792 examples) are tiled 20 times and the encoder's data (512
 sequences) 8 times, so an epoch is 1,120 and 64 updates.
 
 * `none`         no checkpoint;
-* `async/20`     `ResumableCheckpoint(every=20)` (the files written on a
-                 background thread: the step waits for the copy off the device);
+* `async/20`     `ResumableCheckpoint(every=20)` (the copies off the device
+                 and the files made on a background thread);
 * `sync/20`      `ResumableCheckpoint(every=20, asynchronous=False)`;
 * `async/100`    `ResumableCheckpoint(every=100)`;
 * `orbax/20`     `ResumableCheckpoint(every=20, orbax=True)`: the arrays written
@@ -27,6 +27,12 @@ sequences) 8 times, so an epoch is 1,120 and 64 updates.
                  the variables by the callback's `model` property, then
                  `jax.device_get` (since 2026-12-06 it is read where Keras' fit
                  holds it). Not in the default set.
+* `orbax:synced` `orbax/20` with the state synced into the variables before each
+                 save (Orbax's path as built before 2026-12-06's last change;
+                 since then Orbax gets the arrays where the fit holds them).
+* `read:waited`  `every=20` with the copies off the device waited for on the
+                 training thread, as before 2026-12-06's last change (since then
+                 they go into pinned host memory and the writer thread waits).
 * `write:...`    where an asynchronous save's cost goes: `every=20` with the
                  writer thread's work replaced by `nothing` (the save's part on
                  the training thread alone), a 4 ms `sleep` (no CPU), 2 MB of
@@ -84,7 +90,8 @@ PROBES = {"nothing": "nothing written", "sleep": "a 4 ms sleep",
           "fresh": "a new folder each time (the pruned one deleted, not written over)"}
 #: The `PROBES` that change the real write rather than replace it.
 CHANGES = ("onebuffer", "nosync", "idle", "fresh")
-ALL_CONFIGS = (*CONFIGS, "orbax/20", "async/epoch", "hook", "read:synced",
+ALL_CONFIGS = (*CONFIGS, "orbax/20", "async/epoch", "hook", "read:synced", "orbax:synced",
+               "read:waited",
                *(f"write:{probe}" for probe in PROBES))
 LABELS = {"none": "none", "async/20": "`ResumableCheckpoint(every=20)`",
           "sync/20": "`ResumableCheckpoint(every=20, asynchronous=False)`",
@@ -94,6 +101,10 @@ LABELS = {"none": "none", "async/20": "`ResumableCheckpoint(every=20)`",
           "hook": "an empty Keras callback with a batch hook",
           "read:synced": "`every=20`, the state synced into the variables and read with "
                          "`jax.device_get` (the read as first built)",
+          "orbax:synced": "`ResumableCheckpoint(every=20, orbax=True)`, the state synced "
+                          "into the variables first (as before)",
+          "read:waited": "`every=20`, the copies to host waited for on the training thread "
+                         "(as before)",
           **{f"write:{probe}": (f"`every=20`, the write with {label}" if probe in CHANGES
                                 else f"`every=20`, the writer's work replaced by {label}")
              for probe, label in PROBES.items()}}
@@ -142,23 +153,53 @@ def _read_synced(active: bool):
     if not active:
         yield
         return
+    import functools
+
     import jax
 
     from keras_tpu_mem.backends.jax.trainer import Step
     from keras_tpu_mem.resume.callback import ResumableCheckpoint
 
-    save, values = ResumableCheckpoint._save, Step.state_values
+    save, values, copier = ResumableCheckpoint._save, Step.state_values, Step.state_copier
 
-    def synced_save(self, epoch, batch):
+    def synced_save(self, epoch, batch, counted=None):
         _ = self.model  # the property syncs
-        return save(self, epoch, batch)
+        return save(self, epoch, batch, counted)
+
+    def device_get(self, variables):
+        return list(jax.device_get([variable.value for variable in variables]))
     ResumableCheckpoint._save = synced_save
-    Step.state_values = lambda self, variables: list(
-        jax.device_get([variable.value for variable in variables]))
+    Step.state_values = device_get
+    Step.state_copier = lambda self: lambda variables: functools.partial(
+        list, device_get(self, variables))
     try:
         yield
     finally:
-        ResumableCheckpoint._save, Step.state_values = save, values
+        ResumableCheckpoint._save, Step.state_values, Step.state_copier = save, values, copier
+
+
+@contextlib.contextmanager
+def _read_waited(active: bool):
+    """Within it, where `active` (`read:waited`), a save waits on the training thread
+    for its copies to host (`Step.state_reader`, as before 2026-12-06's last change)
+    instead of starting them into pinned host memory for the writer to wait for."""
+    if not active:
+        yield
+        return
+    import functools
+
+    from keras_tpu_mem.backends.jax.trainer import Step
+
+    copier = Step.state_copier
+
+    def waited(self):
+        read = self.state_reader()
+        return lambda variables: functools.partial(list, read(variables))
+    Step.state_copier = waited
+    try:
+        yield
+    finally:
+        Step.state_copier = copier
 
 
 def _save_state_one_buffer(path: str, arrays: list) -> tuple[int, int]:
@@ -289,7 +330,8 @@ def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
             probe = config[len("write:"):] if config.startswith("write:") else None
             callbacks = _callbacks(config, directory)
             with scope(), _writer_probe(probe, directory), \
-                    _read_synced(config == "read:synced"):
+                    _read_synced(config in ("read:synced", "orbax:synced")), \
+                    _read_waited(config == "read:waited"):
                 start = time.perf_counter()
                 model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
                           callbacks=callbacks)

@@ -234,3 +234,54 @@ def test_a_remote_directory_no_file_system_writes_is_refused_up_front():
 
     with pytest.raises(ValueError, match="fsspec cannot write nosuchfs:// paths"):
         ktm.ResumableCheckpoint("nosuchfs://bucket/run")
+
+
+@pytest.mark.parametrize("orbax", [False, pytest.param(True, marks=NEEDS_ORBAX)],
+                         ids=["state.bin", "orbax"])
+def test_a_save_mid_epoch_reads_the_state_where_the_fit_holds_it(tmp_path, orbax):
+    """A save between two steps reads Keras' training state as `fit` holds it, without
+    the `model` property's sync into every variable (which Keras would gather back
+    before the next step), through `state.bin` and through Orbax alike; the newest
+    checkpoint gone, a restart resumes from the mid-epoch one and ends where the run
+    never stopped ends (one device: the same program on the same batches)."""
+    import shutil
+
+    import keras
+
+    import keras_tpu_mem as ktm
+    from keras_tpu_mem._compat import jax as jax_compat
+    from keras_tpu_mem.resume import store
+
+    x = np.random.default_rng(0).normal(size=(80, 6)).astype("float32")
+    y = (np.arange(80) % 3).astype("int32")
+
+    def fit(callbacks, seed=0):
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(3)])
+        model.compile(keras.optimizers.Adam(0.01),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                  callbacks=callbacks)
+        return [np.asarray(v.value) for v in model.variables + model.optimizer.variables]
+
+    synced = []
+
+    class Checkpoint(ktm.ResumableCheckpoint):
+        def _save(self, epoch, batch, *counted):
+            super()._save(epoch, batch, *counted)
+            if batch:  # mid-epoch (Keras syncs the state itself at an epoch's end)
+                synced.append(jax_compat.state_synced(self._model))
+
+    want = fit([])
+    directory = str(tmp_path / "run")
+    fit([Checkpoint(directory, every=4, asynchronous=False, orbax=orbax)])
+    assert synced == [False, False]  # the saves at updates 4 and 8
+    saved = store.list_checkpoints(directory)
+    assert [info.update for info in saved] == [8, 10]
+    shutil.rmtree(saved[-1].path)  # the epoch end's: the restart resumes at update 8
+    resumed = ktm.ResumableCheckpoint(directory, every=4, asynchronous=False, orbax=orbax)
+    got = fit([resumed], seed=1)
+    assert resumed.resumed_from.update == 8
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)

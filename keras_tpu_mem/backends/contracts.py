@@ -539,6 +539,9 @@ class Trainer(Protocol):
     `state_values(variables)`: their values as numpy arrays outside the step,
     `state_reader()`: a `state_values` for the rest of this fit, with what it
     needs prepared once,
+    `state_copier()`: for the rest of this fit, `start(variables)` -> `collect()`:
+    the copies to host started (JAX: without waiting for the steps in flight), then
+    their numpy arrays,
     `split_over_processes(variables)`: the paths of those no process holds whole
     (`state_values` refuses them; `ShardedCheckpoint` writes them),
     `writes_checkpoints()`: whether this process writes what it reads (one process
@@ -601,7 +604,8 @@ class ShardedCheckpoint(Protocol):
     """JAX only: a checkpoint of arrays split over a multi-process job's devices, each
     process writing and reading its own shards (Orbax), for `ResumableCheckpoint`.
     `tf.distribute` holds every value whole in each process (mirrored), so TensorFlow's
-    state is always read whole."""
+    state is always read whole. The arrays a save writes come from the JAX step's
+    `live_reader()` (where Keras' `fit` holds them, not synced into the variables)."""
 
     OrbaxUnavailable: type
     """An `ImportError`: orbax-checkpoint is not installed (the message names the
@@ -743,8 +747,8 @@ ONLY_ON: dict[str, str] = {
 
 #: Modules of a backend that are parts of one concern's implementation, not concerns.
 PARTS: dict[str, tuple[str, ...]] = {
-    "jax": ("feature_state", "gradients", "layout", "per_device", "pulled", "reducers",
-            "train_function"),
+    "jax": ("feature_state", "gradients", "host_copy", "layout", "per_device", "pulled",
+            "reducers", "train_function"),
     "tensorflow": ("feature_state",),
 }
 

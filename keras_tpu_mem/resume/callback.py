@@ -181,8 +181,9 @@ def _readable(group: list) -> list:
 
 
 def _live_values(group: list) -> list:
-    """The arrays a saved group holds now, where they are (no copy): what Orbax writes
-    and what a checkpoint of split state is read back like."""
+    """The arrays a saved group holds now, where they are (no copy), read through the
+    variables: at a fit's start, before Keras takes its state out of them (a save
+    mid-epoch reads them through the step's `live_reader`)."""
     return [leaf.value for leaf in _readable(group)]
 
 
@@ -309,7 +310,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # This fit's position and restore, set again at each on_train_begin.
         self._resume_at = self._metrics_values = self._saved_global_batch = None
         self._undo = self._last_begin = self._epoch_order = self._saved_groups = None
-        self._read_state = None
+        self._read_state = self._read_live = self._copy_state = None
         # Whether this fit writes through Orbax (`orbax`, or state split over processes),
         # and Orbax's writer (made at the fit's first such save).
         self._sharded, self._sharded_writer = False, None
@@ -359,6 +360,12 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             self._read_state = self._engine.backend_step.state_reader()
         return self._read_state
 
+    def _copier(self):
+        """This fit's `state_copier` (made at its first save, as `_reader`)."""
+        if self._copy_state is None:
+            self._copy_state = self._engine.backend_step.state_copier()
+        return self._copy_state
+
     def _read_groups(self, groups: dict[str, list]) -> dict[str, list]:
         """Group name -> `(path, numpy value)` of each of its variables now, from one
         read of them all."""
@@ -384,7 +391,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # Decided here, before anything is restored, not at the first save.
         self._sharded = self._writes_sharded(readable)
         self._resume_at = self._metrics_values = self._undo = self._saved_groups = None
-        self._read_state = None
+        self._read_state = self._read_live = self._copy_state = None
         self._position_pending = False
         self.resumed_from = None
         self._restore_latest(model, groups, readable)
@@ -587,7 +594,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if self._engine.pending_micro_batches():
             return  # inside an accumulation window: never saved
         if updates - self._last_saved >= self.every:
-            self._save(self._epoch, batch)
+            self._save(self._epoch, batch, updates)
 
     def _skip(self, batch):
         resume_batch = self._resume_at[1]
@@ -655,10 +662,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 self._write_error = self._write_error or err
             writer.close()
 
-    def _save(self, epoch: int, batch: int) -> None:
+    def _save(self, epoch: int, batch: int, counted: int | None = None) -> None:
+        """Saves the state at `epoch`, `batch`. `counted`: the updates made, as counted
+        between two steps (mid-epoch), which then need not wait for the steps in
+        flight to read them; None at an epoch's end, where they are read."""
         # Not the `model` property: on JAX it syncs Keras' training state into every
-        # variable (and Keras gathers it back before the next step), where
-        # `state_values` reads the state as it is.
+        # variable (and Keras gathers it back before the next step), where the fit's
+        # readers (`state_reader`, `live_reader`) read the state as it is.
         model = self._model
         self._batches = 0
         writes = self._engine.backend_step.writes_checkpoints()
@@ -677,19 +687,26 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if self._sharded:
             update = self._updates_made(model)
             self._last_saved = self._base_update = update
-            _ = self.model  # Orbax reads the variables' arrays: the property syncs them (JAX)
             self._save_sharded(update, meta, writes)
             return
-        # Everything is prepared before this read, which waits for the steps in flight
-        # (the device runs them meanwhile): after it, the device idles until the next
-        # step is dispatched, so little is left to do here.
-        groups = self._read_groups(self._saved_groups)
-        update = self._updates_made(model, groups)
-        self._last_saved = self._base_update = update
+        # The copies to host start here (on JAX without waiting for the steps in
+        # flight: the next step is dispatched meanwhile) and are waited for where the
+        # files are written. The checkpoint is named by the update count it holds.
+        readable = {name: _readable(group) for name, group in self._saved_groups.items()}
+        collect = self._copier()([leaf for group in readable.values() for leaf in group])
+        self._last_saved = self._base_update = (
+            counted if counted is not None else self._updates_made(model))
         self._wait()
         self._raise_write_error()
         self._wrote_state_bin = True
-        self._run_write(lambda: store.write_checkpoint(self.directory, update, groups, meta))
+
+        def write():
+            values = iter(collect())
+            groups = {name: [(leaf.path, next(values)) for leaf in group]
+                      for name, group in readable.items()}
+            return store.write_checkpoint(self.directory, self._updates_made(model, groups),
+                                          groups, meta)
+        self._run_write(write)
 
     def _save_sharded(self, update, meta, writes) -> None:
         """Every process starts Orbax's save of its shards (the arrays as they are now:
@@ -703,7 +720,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # Process 0 empties the folder before Orbax's save, whose first barrier the
         # other processes wait at before they write into it.
         staging = store.staging_folder(self.directory, update, make=writes)
-        tree = {name: _live_values(group)
+        if self._read_live is None:  # this fit's, as `_reader`
+            self._read_live = self._engine.backend_step.live_reader()
+        # The arrays where the fit holds them (the `model` property would sync every
+        # variable, and Keras would gather them back before the next step).
+        tree = {name: self._read_live(_readable(group))
                 for name, group in self._saved_groups.items() if group}
         self._sharded_writer.save(store.sharded_state_folder(staging), tree)
         if writes:

@@ -68,6 +68,7 @@ from keras_tpu_mem.backends.jax.feature_state import (
     quiet_steps_possible,
 )
 from keras_tpu_mem.backends.jax.gradients import Batch, LocalGradients, TrainState
+from keras_tpu_mem.backends.jax.host_copy import HostCopier, one_copy_each, wait_for_host_copies
 from keras_tpu_mem.backends.jax.layout import (
     make_state_layout,
     model_state_layout,
@@ -107,6 +108,18 @@ class _StepInputs(NamedTuple):
     feature_state: FeatureValues
     batch: Batch
     size: int  # the leading batch dimension
+
+
+def _whole_in_a_process(variables, values) -> list:
+    """`values` (of `variables`), refused where one is split over several processes'
+    devices: no process holds it whole to read."""
+    split = [v.path for v, value in zip(variables, values) if _split_over_processes(value)]
+    if split:
+        raise ValueError(
+            f"{len(split)} values (e.g. {split[0]!r}) are split over several processes' "
+            f"devices (this job has {jax.process_count()} processes): no process holds "
+            "them whole to read.")
+    return values
 
 
 def _split_over_processes(value) -> bool:
@@ -230,27 +243,29 @@ class Step:
         into the variables for it: `jax_compat.fit_state_values`): a replicated
         value from this process's first copy. A value split over several processes'
         devices is refused (`split_over_processes`)."""
-        model, index = self.model, jax_compat.fit_state_index(self.model)
+        live = self.live_reader()
+        return lambda variables: wait_for_host_copies(
+            one_copy_each(_whole_in_a_process(variables, live(variables))))
 
-        def read(variables) -> list:
-            values = jax_compat.fit_state_values(model, variables, index)
-            split = [v.path for v, value in zip(variables, values)
-                     if _split_over_processes(value)]
-            if split:
-                raise ValueError(
-                    f"{len(split)} values (e.g. {split[0]!r}) are split over several "
-                    f"processes' devices (this job has {jax.process_count()} "
-                    "processes): no process holds them whole to read.")
-            arrays = [value.addressable_data(0) if isinstance(value, jax.Array)
-                      and not value.is_fully_addressable else value for value in values]
-            # Every copy is started before the first is waited for (a save reads some
-            # twenty arrays right after the steps in flight), as `jax.device_get`
-            # does, without its walk of a tree.
-            for array in arrays:
-                if isinstance(array, jax.Array):
-                    array.copy_to_host_async()
-            return [np.asarray(array) for array in arrays]
-        return read
+    def state_copier(self):
+        """`start(variables)`: starts copying their values into host memory, read as
+        `state_reader` reads them, without waiting for the steps in flight (into
+        each device's pinned host memory: `host_copy`), and returns `collect()`,
+        which waits for the copies and gives them as numpy arrays: a checkpoint's
+        save starts them on the training thread and writes on its own thread. For
+        the rest of this fit."""
+        live, copier = self.live_reader(), HostCopier()
+        return lambda variables: copier.start(
+            one_copy_each(_whole_in_a_process(variables, live(variables))))
+
+    def live_reader(self):
+        """`read(variables)`: their arrays as they lie on the devices now, where Keras'
+        `fit` holds them, for the rest of this fit: no copy, and mid-epoch none synced
+        into the variables for it (`jax_compat.fit_state_values`). What Orbax writes
+        (`ShardedCheckpoint`: each process its shards, split values too); the next
+        step donates them, so a reader copies them off before it is dispatched."""
+        model, index = self.model, jax_compat.fit_state_index(self.model)
+        return lambda variables: jax_compat.fit_state_values(model, variables, index)
 
     @staticmethod
     def writes_checkpoints() -> bool:

@@ -22,6 +22,7 @@ this module is that step on TensorFlow:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -117,6 +118,12 @@ class Step:
     def state_reader():
         """`read(variables)`: `state_values` (nothing to prepare once a fit)."""
         return Step.state_values
+
+    @staticmethod
+    def state_copier():
+        """`start(variables)`: reads them now (`state_values`: TensorFlow's reads wait
+        for the steps in flight) and returns `collect()`, which gives the values."""
+        return lambda variables: functools.partial(list, Step.state_values(variables))
 
     @staticmethod
     def state_values(variables) -> list:
