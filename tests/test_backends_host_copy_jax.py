@@ -84,3 +84,37 @@ def test_one_copy_each_reads_a_replicated_value_from_one_device():
     got = host_copy.one_copy_each([replicated, split, one, plain])
     assert len(got[0].sharding.device_set) == 1
     assert got[1] is split and got[2] is one and got[3] is plain
+
+
+@pytest.mark.parametrize("layout", ["one chip", "split over 8"])
+def test_xla_tpu_compiles_the_copy_into_host_memory_with_no_hbm_of_its_own(layout):
+    """XLA:TPU's verdict on the copy a save dispatches (compiled ahead of time for a
+    v5e-8 through libtpu; nothing runs): its results are in host memory, as many bytes
+    as the state, and it takes no HBM besides the state it reads (no temporaries, no
+    device-side results but the tuple's table of pointers)."""
+    pytest.importorskip("libtpu", reason="needs libtpu: the [tpu-plan] extra "
+                        '(pip install "keras-tpu-mem[tpu-plan]")')
+    from keras_tpu_mem.backends.jax import tpu_topology
+    from keras_tpu_mem.devices.tpu_slices import tpu_slice
+
+    devices = tpu_topology.slice_devices(tpu_slice("v5e-8"))
+    if layout == "one chip":
+        shardings = (jax.sharding.SingleDeviceSharding(devices[0]),) * 3
+    else:
+        mesh = Mesh(np.array(devices), ("batch",))
+        shardings = (NamedSharding(mesh, P("batch")),) * 2 + (NamedSharding(mesh, P()),)
+    arrays = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype, sharding
+              in zip([(4096, 1024), (8192, 256), ()], [jnp.float32, jnp.bfloat16, jnp.int32],
+                     shardings)]
+    copy = host_copy.HostCopier()._copy(shardings)
+    assert copy is not None  # the compile-only TPU devices have pinned host memory
+    compiled = copy.lower(arrays).compile()
+    memory = compiled.memory_analysis()
+    split = 8 if layout == "split over 8" else 1
+    # The int32 scalar whole, in the 512 bytes XLA:TPU lays a scalar out in.
+    per_device = (4096 * 1024 * 4 + 8192 * 256 * 2) // split + 512
+    assert [s.memory_kind for s in compiled.output_shardings] == [host_copy.PINNED_HOST] * 3
+    assert memory.argument_size_in_bytes == per_device
+    assert memory.host_output_size_in_bytes == memory.argument_size_in_bytes
+    assert memory.temp_size_in_bytes == 0
+    assert memory.output_size_in_bytes <= 1024  # the result tuple's pointers only

@@ -245,9 +245,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             a remote one (`gs://...`).
         every: Save every this many optimizer updates (and at each epoch end).
         keep: How many of the newest checkpoints to keep.
-        asynchronous: Write the files on a background thread: the step waits only for
-            the copy of the values off the device (and for the previous write, if it
-            has not finished). False writes before `fit` goes on.
+        asynchronous: Write the files on a background thread, which also waits for the
+            copies of the values off the device on JAX (where the devices have pinned
+            host memory: the next step runs meanwhile); on TensorFlow, and through
+            Orbax, the step waits for those copies. A save also waits for the previous
+            write, if it has not finished. False writes before `fit` goes on.
         orbax: Write the arrays through Orbax, each process its own shards (JAX, with
             orbax-checkpoint installed). None (the default): where the state is split
             over a multi-process job's devices, and only there. True: always (e.g. to
