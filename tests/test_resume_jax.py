@@ -285,3 +285,28 @@ def test_a_save_mid_epoch_reads_the_state_where_the_fit_holds_it(tmp_path, orbax
     assert resumed.resumed_from.update == 8
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+@NEEDS_ORBAX
+def test_a_spare_folder_a_killed_run_left_is_deleted_at_the_end_of_an_orbax_fit(tmp_path):
+    """A `.spare` (the folder a prune keeps for the next `state.bin` save to write over)
+    that a killed run left is deleted by the writing process at the end of a fit that
+    writes through Orbax, as at the end of one that writes `state.bin`; the
+    checkpoints stay."""
+    import os
+
+    import keras
+
+    import keras_tpu_mem as ktm
+    from keras_tpu_mem.resume import store
+
+    spare = tmp_path / ".spare"
+    spare.mkdir()
+    (spare / "state.bin").write_bytes(b"\0" * 64)
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    model.fit(x, x[:, :2], batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=2, orbax=True)])
+    assert sorted(os.listdir(tmp_path)) == ["update-000000002", "update-000000004"]
+    assert [info.update for info in store.list_checkpoints(str(tmp_path))] == [2, 4]

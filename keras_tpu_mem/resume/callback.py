@@ -306,9 +306,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._writer: concurrent.futures.Future | None = None
         self._write_error: BaseException | None = None
-        # Whether this callback wrote `state.bin` checkpoints, whose prune keeps a spare
-        # folder that only the writing process may delete (`_finish_writes`).
-        self._wrote_state_bin = False
+        # Whether this process wrote checkpoints (`state.bin`, or Orbax's commit): it then
+        # deletes the spare folder their prune keeps (`_finish_writes`), also one that
+        # a killed run left, which only the writing process may do.
+        self._wrote_checkpoints = False
         # This fit's position and restore, set again at each on_train_begin.
         self._resume_at = self._metrics_values = self._saved_global_batch = None
         self._undo = self._last_begin = self._epoch_order = self._saved_groups = None
@@ -650,9 +651,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         and at the start of the next where the last one ended in an error (Keras calls
         no `on_train_end` then)."""
         self._wait()
-        if self._wrote_state_bin:  # the directory then holds the checkpoints only
+        if self._wrote_checkpoints:  # the directory then holds the checkpoints only
             store.drop_spare(self.directory)
-            self._wrote_state_bin = False
+            self._wrote_checkpoints = False
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
@@ -700,7 +701,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             counted if counted is not None else self._updates_made(model))
         self._wait()
         self._raise_write_error()
-        self._wrote_state_bin = True
+        self._wrote_checkpoints = True
 
         def write():
             values = iter(collect())
@@ -730,6 +731,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                 for name, group in self._saved_groups.items() if group}
         self._sharded_writer.save(store.sharded_state_folder(staging), tree)
         if writes:
+            self._wrote_checkpoints = True
+
             def commit():
                 self._sharded_writer.wait()  # every process's files complete
                 return store.commit_sharded(self.directory, staging, update,
