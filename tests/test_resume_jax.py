@@ -310,3 +310,39 @@ def test_a_spare_folder_a_killed_run_left_is_deleted_at_the_end_of_an_orbax_fit(
               callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=2, orbax=True)])
     assert sorted(os.listdir(tmp_path)) == ["update-000000002", "update-000000004"]
     assert [info.update for info in store.list_checkpoints(str(tmp_path))] == [2, 4]
+
+
+def test_a_process_that_does_not_write_reads_nothing_at_a_save_mid_epoch(tmp_path, monkeypatch):
+    """A process of a job whose state another process writes (replicated state, JAX's
+    processes after the first) keeps the schedule by the updates counted between steps:
+    mid-epoch it reads nothing (a read would wait for its steps in flight, and the
+    job's next collective would make every process wait), at an epoch's end it reads
+    the optimizer's count; it writes no checkpoint."""
+    import os
+
+    import keras
+
+    import keras_tpu_mem as ktm
+    from keras_tpu_mem.backends.jax.trainer import Step
+
+    monkeypatch.setattr(Step, "writes_checkpoints", staticmethod(lambda: False))
+    reads, saves = [], []
+
+    class Checkpoint(ktm.ResumableCheckpoint):
+        def _reader(self):
+            read = super()._reader()
+            return lambda variables: reads.append(len(variables)) or read(variables)
+
+        def _save(self, epoch, batch, *counted):
+            super()._save(epoch, batch, *counted)
+            saves.append(self._last_saved)
+
+    x = np.random.default_rng(0).normal(size=(80, 4)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    model.fit(x, x[:, :2], batch_size=8, epochs=2, shuffle=False, verbose=0,
+              callbacks=[Checkpoint(str(tmp_path), every=3)])
+    # Saves at updates 3, 6, 9, the epoch's end (10), 13, 16, 19 and the end (20).
+    assert saves == [3, 6, 9, 10, 13, 16, 19, 20]
+    assert reads == [1, 1]  # `iterations`, at the two epochs' ends
+    assert os.listdir(tmp_path) == []

@@ -676,8 +676,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._batches = 0
         writes = self._engine.backend_step.writes_checkpoints()
         if not writes and not self._sharded:
-            # Another process of the job writes the same (replicated) state.
-            self._last_saved = self._base_update = self._updates_made(model)
+            # Another process of the job writes the same (replicated) state. Mid-epoch
+            # nothing is read here: a read would wait for this process's steps in flight,
+            # and the job's next collective would make every process wait for it.
+            self._last_saved = self._base_update = (
+                counted if counted is not None else self._updates_made(model))
             return
         if self._saved_groups is None:
             # Made once a step has run: Keras and the TensorFlow engine make the
