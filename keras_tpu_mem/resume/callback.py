@@ -313,7 +313,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # This fit's position and restore, set again at each on_train_begin.
         self._resume_at = self._metrics_values = self._saved_global_batch = None
         self._undo = self._last_begin = self._epoch_order = self._saved_groups = None
-        self._read_state = self._read_live = self._copy_state = None
+        self._fit_readers = {}
         # Whether this fit writes through Orbax (`orbax`, or state split over processes),
         # and Orbax's writer (made at the fit's first such save).
         self._sharded, self._sharded_writer = False, None
@@ -356,18 +356,21 @@ class ResumableCheckpoint(keras.callbacks.Callback):
                     return int(value)
         return int(self._reader()([iterations])[0])
 
-    def _reader(self):
-        """This fit's `state_reader` (made at its first save, when the step has made
-        every variable)."""
-        if self._read_state is None:
-            self._read_state = self._engine.backend_step.state_reader()
-        return self._read_state
+    def _scheduled(self, model, counted: int | None) -> int:
+        """The updates a save counts from: `counted` between two steps (mid-epoch: no
+        read, which would wait for the steps in flight), read at an epoch's end."""
+        return counted if counted is not None else self._updates_made(model)
 
-    def _copier(self):
-        """This fit's `state_copier` (made at its first save, as `_reader`)."""
-        if self._copy_state is None:
-            self._copy_state = self._engine.backend_step.state_copier()
-        return self._copy_state
+    def _fit_reader(self, kind: str):
+        """This fit's `state_reader`, `state_copier` or `live_reader` of the step (`kind`),
+        made at its first save, when the step has made every variable."""
+        if kind not in self._fit_readers:
+            self._fit_readers[kind] = getattr(self._engine.backend_step, kind)()
+        return self._fit_readers[kind]
+
+    def _reader(self):
+        """This fit's `state_reader`."""
+        return self._fit_reader("state_reader")
 
     def _read_groups(self, groups: dict[str, list]) -> dict[str, list]:
         """Group name -> `(path, numpy value)` of each of its variables now, from one
@@ -394,7 +397,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # Decided here, before anything is restored, not at the first save.
         self._sharded = self._writes_sharded(readable)
         self._resume_at = self._metrics_values = self._undo = self._saved_groups = None
-        self._read_state = self._read_live = self._copy_state = None
+        self._fit_readers = {}
         self._position_pending = False
         self.resumed_from = None
         self._restore_latest(model, groups, readable)
@@ -679,8 +682,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             # Another process of the job writes the same (replicated) state. Mid-epoch
             # nothing is read here: a read would wait for this process's steps in flight,
             # and the job's next collective would make every process wait for it.
-            self._last_saved = self._base_update = (
-                counted if counted is not None else self._updates_made(model))
+            self._last_saved = self._base_update = self._scheduled(model, counted)
             return
         if self._saved_groups is None:
             # Made once a step has run: Keras and the TensorFlow engine make the
@@ -699,9 +701,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # flight: the next step is dispatched meanwhile) and are waited for where the
         # files are written. The checkpoint is named by the update count it holds.
         readable = {name: _readable(group) for name, group in self._saved_groups.items()}
-        collect = self._copier()([leaf for group in readable.values() for leaf in group])
-        self._last_saved = self._base_update = (
-            counted if counted is not None else self._updates_made(model))
+        collect = self._fit_reader("state_copier")(
+            [leaf for group in readable.values() for leaf in group])
+        self._last_saved = self._base_update = self._scheduled(model, counted)
         self._wait()
         self._raise_write_error()
         self._wrote_checkpoints = True
@@ -726,11 +728,10 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # Process 0 empties the folder before Orbax's save, whose first barrier the
         # other processes wait at before they write into it.
         staging = store.staging_folder(self.directory, update, make=writes)
-        if self._read_live is None:  # this fit's, as `_reader`
-            self._read_live = self._engine.backend_step.live_reader()
         # The arrays where the fit holds them (the `model` property would sync every
         # variable, and Keras would gather them back before the next step).
-        tree = {name: self._read_live(_readable(group))
+        live = self._fit_reader("live_reader")
+        tree = {name: live(_readable(group))
                 for name, group in self._saved_groups.items() if group}
         self._sharded_writer.save(store.sharded_state_folder(staging), tree)
         if writes:

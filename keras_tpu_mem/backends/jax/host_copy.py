@@ -75,16 +75,16 @@ class HostCopier:
     def _copy(self, shardings: tuple) -> Callable | None:
         """The jitted copy of arrays laid out as `shardings` into pinned host memory, or
         None where a device of theirs has none."""
-        copy = self._copies.get(shardings)
-        if copy is None and shardings not in self._copies:
+        if shardings not in self._copies:
             places = [getattr(sharding, "with_memory_kind", None) for sharding in shardings]
+            copy = None
             if None not in places and self._has_pinned_host(shardings[0].device_set):
                 # Not forwarded (an output laid out in another memory than its input is
                 # a copy), and bit for bit (-0.0 and NaN payloads included).
                 copy = jax.jit(lambda arrays: arrays,
                                out_shardings=[place(PINNED_HOST) for place in places])
             self._copies[shardings] = copy
-        return copy
+        return self._copies[shardings]
 
     def start(self, arrays) -> Callable[[], list]:
         arrays = list(arrays)

@@ -110,16 +110,20 @@ class _StepInputs(NamedTuple):
     size: int  # the leading batch dimension
 
 
-def _whole_in_a_process(variables, values) -> list:
-    """`values` (of `variables`), refused where one is split over several processes'
-    devices: no process holds it whole to read."""
-    split = [v.path for v, value in zip(variables, values) if _split_over_processes(value)]
-    if split:
-        raise ValueError(
-            f"{len(split)} values (e.g. {split[0]!r}) are split over several processes' "
-            f"devices (this job has {jax.process_count()} processes): no process holds "
-            "them whole to read.")
-    return values
+def _host_readable(live):
+    """`arrays(variables)`: what a copy to host reads of their values where `live` (a
+    `live_reader`) finds them (`host_copy.one_copy_each`), refused where one is split
+    over several processes' devices: no process holds it whole to read."""
+    def arrays(variables) -> list:
+        values = live(variables)
+        split = [v.path for v, value in zip(variables, values) if _split_over_processes(value)]
+        if split:
+            raise ValueError(
+                f"{len(split)} values (e.g. {split[0]!r}) are split over several processes' "
+                f"devices (this job has {jax.process_count()} processes): no process holds "
+                "them whole to read.")
+        return one_copy_each(values)
+    return arrays
 
 
 def _split_over_processes(value) -> bool:
@@ -243,9 +247,8 @@ class Step:
         into the variables for it: `jax_compat.fit_state_values`): a replicated
         value from this process's first copy. A value split over several processes'
         devices is refused (`split_over_processes`)."""
-        live = self.live_reader()
-        return lambda variables: wait_for_host_copies(
-            one_copy_each(_whole_in_a_process(variables, live(variables))))
+        arrays = _host_readable(self.live_reader())
+        return lambda variables: wait_for_host_copies(arrays(variables))
 
     def state_copier(self):
         """`start(variables)`: starts copying their values into host memory, read as
@@ -254,9 +257,8 @@ class Step:
         which waits for the copies and gives them as numpy arrays: a checkpoint's
         save starts them on the training thread and writes on its own thread. For
         the rest of this fit."""
-        live, copier = self.live_reader(), HostCopier()
-        return lambda variables: copier.start(
-            one_copy_each(_whole_in_a_process(variables, live(variables))))
+        arrays, copier = _host_readable(self.live_reader()), HostCopier()
+        return lambda variables: copier.start(arrays(variables))
 
     def live_reader(self):
         """`read(variables)`: their arrays as they lie on the devices now, where Keras'
