@@ -48,8 +48,10 @@ def _callbacks(features: str, keras, np):
 def _resume(out: str, case: str) -> None:
     """`resume`, `resume_fsdp`: `resume_cases.train(case, ...)` (every training feature,
     data shuffled through `distribute(seed=...)`, this process's share of each global
-    batch), with `ResumableCheckpoint(KTM_RESUME_DIR)` when that is set and a SIGKILL of
-    this process at the end of batch `KTM_KILL_AT` when that is set; the final state
+    batch), with `ResumableCheckpoint(KTM_RESUME_DIR)` when that is set, a SIGKILL of
+    this process at the end of batch `KTM_KILL_AT` when that is set, and a preemption
+    notice (SIGTERM) to process 0 there when `KTM_NOTICE_AT` is set (the periodic saves
+    then every 1000 updates: none mid-epoch); the final state
     (weights, optimizer variables, masks: gathered whole from every process) by sorted
     name, then the update count and the device count."""
     import jax
@@ -60,9 +62,15 @@ def _resume(out: str, case: str) -> None:
     import resume_cases
 
     directory = os.environ.get("KTM_RESUME_DIR")
-    kill_at = os.environ.get("KTM_KILL_AT")
-    model, callbacks, _ = resume_cases.train(
-        case, directory, stop_at=None if kill_at is None else int(kill_at), kill=True)
+    stop_at, stop, every = None, "raise", resume_cases.EVERY
+    if os.environ.get("KTM_KILL_AT"):
+        stop_at, stop = int(os.environ["KTM_KILL_AT"]), "kill"
+    elif os.environ.get("KTM_NOTICE_AT"):  # every process saves at a notice to process 0
+        every = 1000
+        if jax.process_index() == 0:
+            stop_at, stop = int(os.environ["KTM_NOTICE_AT"]), "notice"
+    model, callbacks, _ = resume_cases.train(case, directory, stop_at=stop_at, stop=stop,
+                                             every=every)
     resumed = [c.resumed_from for c in callbacks if hasattr(c, "resumed_from")]
     if resumed and resumed[0] is not None:  # read by the test from this process's log
         print(f"resumed from update {resumed[0].update}", flush=True)

@@ -8,16 +8,19 @@ of the cases of the resume matrix: JAX `DataParallel(8)` ("dp8") or
 `ShardedDataParallel()` ("fsdp8"), TensorFlow `MirroredStrategy` over 2 logical
 CPUs ("mirrored") or the default strategy with `jit_compile=True` ("jit").
 
-Run as a script (`python tests/resume_cases.py CASE DIR OUT [--kill-at N]`), it is
-the process a preemption kills: with `--kill-at N` it SIGKILLs itself at the end
-of the N-th batch of the fit (a save falls at the start of a batch); otherwise it
-trains to the end and writes the final state to OUT (`state_arrays`).
+Run as a script (`python tests/resume_cases.py CASE DIR OUT [--kill-at N | --notice-at
+N]`), it is the process a preemption kills: with `--kill-at N` it SIGKILLs itself at
+the end of the N-th batch of the fit (a save falls at the start of a batch), with
+`--notice-at N` it sends itself SIGTERM there (a preemption notice; the periodic saves
+then every 1000 updates: none mid-epoch); otherwise it trains to the end and writes
+the final state to OUT (`state_arrays`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 EPOCHS, BATCH, EXAMPLES, EVERY, DATA_SEED = 3, 32, 320, 5, 11
 JAX_CASES = ("dp8", "fsdp8")
@@ -90,11 +93,18 @@ def batches(case):
     return wrapper.distribute(data(), BATCH, seed=DATA_SEED)
 
 
-class StopAt:
-    """A callback ending the process (`kill=True`: SIGKILL, as a preemption does) or
-    the fit (an exception) at the end of its `at`-th batch."""
+#: How `StopAt` stops a run: the fit by an exception, the process by SIGKILL (as a
+#: preemption does), or a preemption notice (SIGTERM to the process; what follows is
+#: up to the handlers).
+STOPS = ("raise", "kill", "notice")
+#: The seconds each batch takes after a notice (`StopAt(at, "notice")`).
+NOTICE_PACE_S = 0.25
 
-    def __new__(cls, at, kill):
+
+class StopAt:
+    """A callback stopping the run at the end of its `at`-th batch, `how` (`STOPS`)."""
+
+    def __new__(cls, at, how):
         import signal
 
         import keras
@@ -106,19 +116,26 @@ class StopAt:
 
             def on_train_batch_end(self, batch, logs=None):
                 self.seen += 1
+                if how == "notice" and self.seen > at:
+                    # Steps long enough for JAX's preemption service to tell every
+                    # process of a job (it takes up to about a second here).
+                    time.sleep(NOTICE_PACE_S)
                 if self.seen == at:
-                    if kill:
+                    if how == "notice":
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        return
+                    if how == "kill":
                         os.kill(os.getpid(), signal.SIGKILL)
                     raise RuntimeError(f"preempted after {at} batches")
 
         return _Stop()
 
 
-def train(case, directory=None, *, stop_at=None, kill=False, asynchronous=True, seed=2,
-          orbax=None):
+def train(case, directory=None, *, stop_at=None, stop="raise", asynchronous=True, seed=2,
+          orbax=None, every=EVERY):
     """Builds the student and its teacher under `case` and fits them; returns the
-    student, the callbacks (`ResumableCheckpoint(directory, asynchronous=, orbax=)` last
-    when `directory` is given)."""
+    student, the callbacks (`ResumableCheckpoint(directory, every=, asynchronous=,
+    orbax=)` last when `directory` is given, then `StopAt(stop_at, stop)`)."""
     import keras
 
     import keras_tpu_mem as ktm
@@ -136,10 +153,10 @@ def train(case, directory=None, *, stop_at=None, kill=False, asynchronous=True, 
                      ktm.Pruning(ktm.ConstantSparsity(0.5, begin_step=3, frequency=4)),
                      ktm.Distillation(teacher, temperature=2.0, alpha=0.5)]
         if directory is not None:
-            callbacks.append(ktm.ResumableCheckpoint(directory, every=EVERY,
+            callbacks.append(ktm.ResumableCheckpoint(directory, every=every,
                                                      asynchronous=asynchronous, orbax=orbax))
         if stop_at is not None:
-            callbacks.append(StopAt(stop_at, kill))
+            callbacks.append(StopAt(stop_at, stop))
         if case in _KERAS_DISTRIBUTION_CASES:
             history = student.fit(examples, epochs=EPOCHS, shuffle=False, verbose=0,
                                   callbacks=callbacks)
@@ -173,8 +190,13 @@ def main(argv):
     import numpy as np
 
     case, directory, out = argv[:3]
-    kill_at = int(argv[argv.index("--kill-at") + 1]) if "--kill-at" in argv else None
-    model, callbacks, _ = train(case, directory, stop_at=kill_at, kill=True)
+    stop_at, stop, every = None, "raise", EVERY
+    for flag, how in (("--kill-at", "kill"), ("--notice-at", "notice")):
+        if flag in argv:
+            stop_at, stop = int(argv[argv.index(flag) + 1]), how
+    if stop == "notice":
+        every = 1000
+    model, callbacks, _ = train(case, directory, stop_at=stop_at, stop=stop, every=every)
     np.savez(out, **state_arrays(model, callbacks))
 
 

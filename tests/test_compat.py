@@ -109,9 +109,10 @@ def test_set_initial_epoch_starts_the_running_fit_there():
 
 
 def test_fit_data_is_none_outside_a_fit():
-    """`keras_compat.fit_data` finds no running fit here; the reads inside a fit, for
-    every kind of data on both backends: tests/test_resume.py."""
+    """`keras_compat.fit_data` and `keras_compat.fit_frame` find no running fit here;
+    the reads inside a fit, on both backends (for every kind of data): tests/test_resume.py."""
     assert keras_compat.fit_data(mlp()) is None
+    assert keras_compat.fit_frame(mlp()) is None
 
 
 def test_epoch_start_batches_by_hand_and_no_position_outside_a_fit():

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow
 
 WORKER = pathlib.Path(__file__).resolve().parent / "multiprocess_worker_jax.py"
 TIMEOUT_S = 300  # each cluster; a hung collective fails the test instead of the suite
+NEEDS_ORBAX = pytest.mark.skipif(importlib.util.find_spec("orbax") is None,
+                                 reason='needs orbax-checkpoint: pip install '
+                                        '"keras-tpu-mem[checkpoint]"')
 
 
 def _free_port() -> int:
@@ -31,10 +34,11 @@ def _free_port() -> int:
 
 
 def _cluster(tmp_path, num_processes, devices, features="accumulation", env_extra=None,
-             killed=False):
+             killed=False, exit_code=0):
     """Runs the cluster; returns each process's results, or None where `killed` (every
     process must then end by SIGKILL: its own, or ours once one of them is gone, as a
-    pod's other hosts stop when one is lost)."""
+    pod's other hosts stop when one is lost) or where every process must end with
+    another `exit_code` than 0."""
     port = _free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
     outs = [tmp_path / f"p{num_processes}_{i}.npz" for i in range(num_processes)]
@@ -69,9 +73,12 @@ def _cluster(tmp_path, num_processes, devices, features="accumulation", env_extr
     if killed:
         return None
     for i, process in enumerate(processes):
-        if process.returncode != 0:
+        if process.returncode != exit_code:
             text = _log(tmp_path, i, num_processes)[-3000:]
-            pytest.fail(f"process {i} of {num_processes} failed:\n{text}")
+            pytest.fail(f"process {i} of {num_processes} ended with {process.returncode}, "
+                        f"not {exit_code}:\n{text}")
+    if exit_code != 0:
+        return None
     results = []
     for out in outs:
         with np.load(out) as data:
@@ -126,10 +133,7 @@ def test_two_processes_shard_the_state_like_one_process(tmp_path):
 
 
 @pytest.mark.parametrize("features, arrays_in", [
-    ("resume", "state.bin"),
-    pytest.param("resume_fsdp", "state.orbax", marks=pytest.mark.skipif(
-        importlib.util.find_spec("orbax") is None,
-        reason='needs orbax-checkpoint: pip install "keras-tpu-mem[checkpoint]"'))])
+    ("resume", "state.bin"), pytest.param("resume_fsdp", "state.orbax", marks=NEEDS_ORBAX)])
 def test_two_processes_each_killed_resume_bit_exact(tmp_path, features, arrays_in):
     """Issue 30's floor: 2 processes x 2 devices, every training feature on, data
     shuffled through `distribute(seed=...)`, saves every 5 updates; each process
@@ -172,3 +176,32 @@ def test_two_processes_each_killed_resume_bit_exact(tmp_path, features, arrays_i
             assert result["iterations"] == 30
             assert len(result["weights"]) == len(want[0]["weights"])
             assert _max_diff(result["weights"], want[0]["weights"]) <= 1e-6
+
+
+@pytest.mark.parametrize("features", ["resume", pytest.param("resume_fsdp", marks=NEEDS_ORBAX)])
+def test_a_preemption_notice_to_one_process_saves_every_process_at_one_update(
+        tmp_path, features):
+    """A preemption notice (SIGTERM) to process 0 alone at the end of batch 7, the
+    periodic saves every 1000 updates (none mid-epoch): JAX's preemption service tells
+    process 1, both save at the same update boundary after it and exit with status
+    143; the job started again resumes there on both processes and ends on the bits
+    of the job never stopped. Under `DataParallel` (process 0 writes `state.bin`) and
+    `ShardedDataParallel` (every process its shards through Orbax: a collective save,
+    which hangs unless both save at the same update)."""
+    want = _cluster(tmp_path / "uninterrupted", 2, 2, features)
+    directory = str(tmp_path / "checkpoints")
+    _cluster(tmp_path / "noticed", 2, 2, features,
+             {"KTM_RESUME_DIR": directory, "KTM_NOTICE_AT": "7"}, exit_code=128 + 15)
+    from keras_tpu_mem.resume import store
+
+    saved = max(info.update for info in store.list_checkpoints(directory))
+    # A save after the notice (the only periodic one before the end is at update 10).
+    assert 7 < saved < 30, [info.update for info in store.list_checkpoints(directory)]
+    for i in range(2):
+        assert f"update {saved} (epoch" in _log(tmp_path / "noticed", i)
+    got = _cluster(tmp_path / "restarted", 2, 2, features, {"KTM_RESUME_DIR": directory})
+    assert all(f"resumed from update {saved}" in _log(tmp_path / "restarted", i)
+               for i in range(2))
+    for result in got:
+        assert result["iterations"] == 30
+        assert _max_diff(result["weights"], want[0]["weights"]) == 0.0

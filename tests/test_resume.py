@@ -13,8 +13,10 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import zlib
 
 import keras
@@ -77,6 +79,131 @@ def test_stopped_mid_epoch_resumes_bit_exact_with_every_feature(case, references
     np.testing.assert_allclose(history.history["loss"], want_history["loss"][1:], rtol=1e-6)
 
 
+@pytest.fixture
+def script_handler():
+    """A SIGTERM handler of the test script's own, as a user's cleanup: it records the
+    signal and raises (ending the fit), and is put back after the test."""
+    handed = []
+
+    def handler(signum, frame):
+        handed.append(signum)
+        raise RuntimeError("preempted by the notice")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield handler, handed
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("case", [CASES[0]])
+def test_a_preemption_notice_saves_at_the_next_update_and_resumes_bit_exact(
+        case, references, tmp_path, script_handler):
+    """A preemption notice (SIGTERM) at the end of batch 17, the periodic saves every
+    1000 updates (none mid-epoch): the next update boundary (batch 7 of epoch 2;
+    batch 6 ends inside an accumulation window) is saved, then the notice goes to the
+    script's own handler, put back in place; the restart resumes there and ends on
+    the uninterrupted run's bits."""
+    handler, handed = script_handler
+    want, want_history = references(case)
+    directory = str(tmp_path)
+    with pytest.raises(RuntimeError, match="preempted by the notice"):
+        resume_cases.train(case, directory, stop_at=17, stop="notice", every=1000)
+    assert handed == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is handler
+    assert [(i.update, i.epoch, i.batch) for i in store.list_checkpoints(directory)] == [
+        (10, 1, 0), (17, 1, 7)]
+    model, callbacks, history = resume_cases.train(case, directory, seed=7)
+    assert callbacks[-1].resumed_from.update == 17
+    _assert_bit_exact(resume_cases.state_arrays(model, callbacks), want)
+    np.testing.assert_allclose(history.history["loss"], want_history["loss"][1:], rtol=1e-6)
+
+
+def test_sigterm_is_caught_only_while_a_fit_runs(tmp_path, script_handler):
+    """The handler is the callback's during a fit and the script's before and after;
+    a notice after a fit that ended in an error (no `on_train_end`: the callback's
+    handler is still installed) goes straight to the script's handler, and nothing is
+    saved for it. `save_on_preemption=False` leaves SIGTERM as it is."""
+    handler, handed = script_handler
+    seen = []
+
+    class SeeHandler(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    x, y = _xy()
+    for save_on_preemption in (True, False):
+        checkpoint = ktm.ResumableCheckpoint(str(tmp_path / str(save_on_preemption)),
+                                             every=1000,
+                                             save_on_preemption=save_on_preemption)
+        seen.clear()
+        with pytest.raises(RuntimeError, match="preempted after 3 batches"):
+            _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                               callbacks=[checkpoint, SeeHandler(),
+                                          resume_cases.StopAt(3, "raise")])
+        assert (seen[0] is handler) is not save_on_preemption
+        with pytest.raises(RuntimeError, match="preempted by the notice"):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) is handler
+        assert ktm.list_checkpoints(str(tmp_path / str(save_on_preemption))) == []
+    assert handed == [signal.SIGTERM, signal.SIGTERM]
+    # A fit that ends normally puts the script's handler back.
+    _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                       callbacks=[ktm.ResumableCheckpoint(str(tmp_path / "ends"))])
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_a_jobs_sync_point_saves_at_the_update_it_names_then_exits(tmp_path, monkeypatch):
+    """Where the backend's step names a job's sync point (JAX's preemption service on
+    a `jax.distributed` job, which catches the SIGTERM itself), the callback asks it at
+    every update boundary with consecutive numbers; at the boundary it names, it saves,
+    waits for the files and exits with status 143. Over two real processes:
+    tests/test_multiprocess_jax.py."""
+    from keras_tpu_mem import backends
+
+    calls = []
+
+    def reached(call):
+        calls.append(call)
+        return len(calls) == 5
+
+    monkeypatch.setattr(backends.current().trainer.Step, "preemption_sync",
+                        staticmethod(lambda: reached))
+    x, y = _xy()
+    with pytest.raises(SystemExit) as ended:
+        _small_model().fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                           callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=1000)])
+    assert ended.value.code == 128 + signal.SIGTERM
+    assert calls == list(range(calls[0], calls[0] + 5))
+    # The fifth boundary is batch 4's: 4 updates made.
+    assert [(i.update, i.epoch, i.batch) for i in ktm.list_checkpoints(str(tmp_path))] == [
+        (4, 0, 4)]
+
+
+def test_a_fit_outside_the_main_thread_saves_no_notice_and_says_so(tmp_path, caplog):
+    """Python catches signals on the main thread only: a fit on another thread leaves
+    SIGTERM alone, with a warning that the periodic checkpoints still are saved."""
+    x, y = _xy()
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    class SeeHandler(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    def fit():
+        _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                           callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3),
+                                      SeeHandler()])
+
+    with caplog.at_level(logging.WARNING, logger="keras_tpu_mem"):
+        thread = threading.Thread(target=fit)
+        thread.start()
+        thread.join()
+    assert "runs outside the main thread" in caplog.text
+    assert "periodic checkpoints (`every`) still are" in caplog.text
+    assert set(seen) == {before}
+    assert [i.update for i in ktm.list_checkpoints(str(tmp_path))] == [6, 8]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_sigkill_at_a_random_update_resumes_bit_exact(case, references, tmp_path):
@@ -96,6 +223,29 @@ def test_sigkill_at_a_random_update_resumes_bit_exact(case, references, tmp_path
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr, resumed.stderr[-3000:]
+    with np.load(out) as got:
+        _assert_bit_exact(dict(got), want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [CASES[0]])
+def test_a_preemption_notice_ends_the_process_after_its_save(case, references, tmp_path):
+    """A process sent SIGTERM at the end of batch 17 with no handler of its own (the
+    periodic saves every 1000 updates): it saves update 17 and then ends by SIGTERM,
+    as the notice would have ended it; the restarted process resumes there and ends
+    on the uninterrupted run's bits."""
+    want, _ = references(case)
+    directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "final.npz")
+    command = [sys.executable, resume_cases.__file__, case, directory, out]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    noticed = subprocess.run([*command, "--notice-at", "17"], env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert noticed.returncode == -signal.SIGTERM, noticed.stderr[-3000:]
+    assert "update 17 (epoch 2, batch 7) saved at a preemption notice" in noticed.stderr
+    assert max(i.update for i in store.list_checkpoints(directory)) == 17
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(update 17): epoch 2, batch 7" in resumed.stderr, resumed.stderr[-3000:]
     with np.load(out) as got:
         _assert_bit_exact(dict(got), want)
 
@@ -308,7 +458,7 @@ def test_a_fit_stopped_mid_epoch_resumes_bit_exact_from_a_remote_directory(
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
                   callbacks=[ktm.ResumableCheckpoint(remote_directory, every=3,
                                                      asynchronous=False),
-                             resume_cases.StopAt(12, kill=False)])
+                             resume_cases.StopAt(12, "raise")])
     restarted = _small_model(seed=7)
     checkpoint = ktm.ResumableCheckpoint(remote_directory, every=3)
     restarted.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
@@ -396,7 +546,7 @@ def test_steps_per_epoch_shorter_than_the_data_resumes_where_the_data_was(
     with pytest.raises(RuntimeError, match="preempted"):
         _small_model().fit(**stopped_data, **fit, callbacks=[
             ktm.ResumableCheckpoint(str(tmp_path), every=2, asynchronous=False),
-            resume_cases.StopAt(stop_at, kill=False)])
+            resume_cases.StopAt(stop_at, "raise")])
     restarted = _small_model(seed=7)
     checkpoint = ktm.ResumableCheckpoint(str(tmp_path), every=2)
     restarted.fit(**restarted_data, **fit, callbacks=[checkpoint])
@@ -638,6 +788,8 @@ def test_a_different_batch_of_unknown_length_data_is_refused_at_the_first_step(t
     ({"directory": "d", "keep": 1.5}, TypeError, "`keep` must be an int >= 1"),
     ({"directory": "d", "asynchronous": "yes"}, TypeError, "`asynchronous` must be a bool"),
     ({"directory": "d", "orbax": "yes"}, TypeError, "`orbax` must be None .*, True or False"),
+    ({"directory": "d", "save_on_preemption": 1}, TypeError,
+     "`save_on_preemption` must be a bool"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -666,7 +818,7 @@ def test_another_model_is_refused_before_anything_changes(tmp_path):
     _assert_bit_exact(dict(enumerate(other.get_weights())), dict(enumerate(before)))
     assert ktm.ResumableCheckpoint(str(tmp_path), every=4).get_config() == {
         "directory": str(tmp_path), "every": 4, "keep": 2, "asynchronous": True,
-        "orbax": None}
+        "orbax": None, "save_on_preemption": True}
 
 
 class _IndexedBatches(keras.utils.PyDataset):
@@ -686,6 +838,33 @@ def _generator(x, y, size):
     while True:
         for start in range(0, len(x), size):
             yield x[start:start + size], y[start:start + size]
+
+
+def test_fit_frame_is_the_running_keras_fit_and_none_outside_it():
+    """`keras_compat.fit_frame`: from a callback, the frame of Keras' own `Trainer.fit`
+    (the backend's trainer module), still on the stack at each batch; None outside."""
+    from keras_tpu_mem._compat import keras as keras_compat
+
+    class SeeFrame(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            frames.append(keras_compat.fit_frame(self.model))
+
+        def on_train_batch_end(self, batch, logs=None):
+            stack, frame = [], sys._getframe()
+            while frame is not None:
+                stack.append(frame)
+                frame = frame.f_back
+            on_stack.append(frames[0] in stack)
+
+    frames, on_stack = [], []
+    model = _small_model()
+    x, y = _xy(16)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[SeeFrame()])
+    frame = frames[0]
+    assert frame.f_code.co_name == "fit"
+    assert frame.f_globals["__name__"] == f"keras.src.backend.{keras.backend.backend()}.trainer"
+    assert on_stack == [True, True]
+    assert keras_compat.fit_frame(model) is None
 
 
 def test_fit_data_reads_the_running_fits_data_adapter():

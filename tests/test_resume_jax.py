@@ -346,3 +346,41 @@ def test_a_process_that_does_not_write_reads_nothing_at_a_save_mid_epoch(tmp_pat
     assert saves == [3, 6, 9, 10, 13, 16, 19, 20]
     assert reads == [1, 1]  # `iterations`, at the two epochs' ends
     assert os.listdir(tmp_path) == []
+
+
+def test_a_distributed_job_asks_jaxs_preemption_service_and_warns_without_it(
+        tmp_path, monkeypatch, caplog):
+    """The JAX step's `preemption_sync`: None in a process that is no `jax.distributed`
+    job (the callback catches SIGTERM itself), JAX's sync point in one, and a refusal
+    where the job runs without the service; the callback then says the notices are
+    not saved at, keeps SIGTERM's handler and still saves periodically."""
+    import logging
+    import signal
+
+    import jax
+    import keras
+    from jax.experimental import multihost_utils
+
+    import keras_tpu_mem as ktm
+    from keras_tpu_mem.backends.jax.trainer import Step
+
+    assert Step.preemption_sync() is None
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    assert Step.preemption_sync() is multihost_utils.reached_preemption_sync_point
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="adam", loss="mse")
+    x = np.ones((32, 4), "float32")
+    before = signal.getsignal(signal.SIGTERM)
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        with pytest.raises(RuntimeError, match="`jax_enable_preemption_service` is off"):
+            Step.preemption_sync()
+        with caplog.at_level(logging.WARNING, logger="keras_tpu_mem"):
+            model.fit(x, x[:, :3], batch_size=8, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=2)])
+    finally:
+        jax.config.update("jax_enable_preemption_service", True)
+    assert "not saved at: this jax.distributed job runs without JAX's preemption" in caplog.text
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert [i.update for i in ktm.list_checkpoints(str(tmp_path))] == [2, 4]

@@ -185,16 +185,24 @@ def fit_data(model) -> _FitData | None:
                     int(epoch_iterator.steps_per_execution))
 
 
+def fit_frame(model):
+    """The frame of the `fit` running on `model` (3.12-3.16: `Trainer.fit` of every
+    backend, whose `self` is the model), seen from a callback of it: on the stack for
+    as long as that fit runs. None outside a fit."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def _fit_epoch_iterator(model):
     """The `EpochIterator` of the `fit` running on `model` (3.12-3.16: the local
     `epoch_iterator` of `Trainer.fit` on every backend), read from that call's frame;
     None outside a fit."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-            return frame.f_locals.get("epoch_iterator")
-        frame = frame.f_back
-    return None
+    frame = fit_frame(model)
+    return None if frame is None else frame.f_locals.get("epoch_iterator")
 
 
 def epoch_starts(steps_per_epoch: int | None, num_batches: int | None,

@@ -545,7 +545,10 @@ class Trainer(Protocol):
     `split_over_processes(variables)`: the paths of those no process holds whole
     (`state_values` refuses them; `ShardedCheckpoint` writes them),
     `writes_checkpoints()`: whether this process writes what it reads (one process
-    of a multi-process job does))."""
+    of a multi-process job does),
+    `preemption_sync()`: None where the process catches a preemption notice itself,
+    else the job's sync point `reached(call) -> bool` (JAX: `jax.distributed`'s
+    preemption service))."""
 
     def update_variable(self, variable, fn, *args):
         """Updates a model variable from inside the step, consistently on every replica:

@@ -28,7 +28,7 @@ from keras_tpu_mem import backends
 from keras_tpu_mem._compat import keras as keras_compat
 from keras_tpu_mem._utils import check_positive_int, logger, unique
 from keras_tpu_mem.engine import Engine, FitRefused, StepContext, observe_first_batch
-from keras_tpu_mem.resume import store
+from keras_tpu_mem.resume import preemption, store
 
 _MODEL, _OPTIMIZER, _METRICS = "model", "optimizer", "metrics"
 
@@ -255,6 +255,15 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             over a multi-process job's devices, and only there. True: always (e.g. to
             test a pod's checkpoints on one host). False: never; state split over
             processes is then refused at `on_train_begin`.
+        save_on_preemption: At a preemption notice (SIGTERM, what a spot VM's
+            shutdown sends its processes about 30 s before the VM stops), save at
+            the next update boundary, wait for the files, then end the process as
+            the notice would have: a process that is the whole job hands SIGTERM
+            back to the handler it had before the fit (by default the process ends
+            with it; if that handler returns, the fit goes on); the processes of a
+            `jax.distributed` job save at the same update, agreed through JAX's
+            preemption service, then exit with status 143. No update is lost. False:
+            SIGTERM is left as it is.
 
     Example:
 
@@ -274,7 +283,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     """
 
     def __init__(self, directory, every: int = 100, keep: int = 2,
-                 asynchronous: bool = True, orbax: bool | None = None):
+                 asynchronous: bool = True, orbax: bool | None = None,
+                 save_on_preemption: bool = True):
         super().__init__()
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"`directory` must be a path (str or os.PathLike), got "
@@ -292,6 +302,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if orbax is not None and not isinstance(orbax, bool):
             raise TypeError(f"`orbax` must be None (Orbax where the state is split over "
                             f"processes), True or False, got {orbax!r}.")
+        if not isinstance(save_on_preemption, bool):
+            raise TypeError(f"`save_on_preemption` must be a bool, got "
+                            f"{save_on_preemption!r}.")
         if orbax:
             _orbax_problem(None)
         self.directory = directory
@@ -299,6 +312,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self.keep = keep
         self.asynchronous = asynchronous
         self.orbax = orbax
+        self.save_on_preemption = save_on_preemption
         #: The checkpoint the last `fit` resumed from (a `CheckpointInfo`), or None.
         self.resumed_from = None
         # One writer thread for the fit (a thread made per save cost a 0.5 ms step
@@ -318,10 +332,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         # and Orbax's writer (made at the fit's first such save).
         self._sharded, self._sharded_writer = False, None
         self._epoch, self._skipping, self._position_pending = 0, False, False
+        # Where this fit learns of a preemption notice (`preemption.watch`), or None.
+        self._notice = None
 
     def get_config(self) -> dict:
         return {"directory": self.directory, "every": self.every, "keep": self.keep,
-                "asynchronous": self.asynchronous, "orbax": self.orbax}
+                "asynchronous": self.asynchronous, "orbax": self.orbax,
+                "save_on_preemption": self.save_on_preemption}
 
     # ------------------------------------------------------------ variables
     def _groups(self, model) -> dict[str, list]:
@@ -383,6 +400,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
 
     # ------------------------------------------------------------ restore
     def on_train_begin(self, logs=None):
+        self._close_notice()  # of a fit of it that ended in an error
         self._finish_writes()
         self._raise_write_error()
         self._take_over_directory()
@@ -411,6 +429,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._global_batch = None
         self._engine.unobserve(self._first_batch)  # from a fit of it that ran no step
         observe_first_batch(model, self._first_batch)
+        if self.save_on_preemption:
+            self._notice = preemption.watch(self._engine.backend_step.preemption_sync,
+                                            keras_compat.fit_frame(model))
 
     def _writes_sharded(self, readable) -> bool:
         """Whether this fit writes through Orbax: `orbax=True`, or (`orbax=None`) state
@@ -599,8 +620,22 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         updates = self._base_update + self._batches // self._engine.batches_per_update()
         if self._engine.pending_micro_batches():
             return  # inside an accumulation window: never saved
-        if updates - self._last_saved >= self.every:
+        if self._notice is not None and self._notice.reached():
+            self._save_at_notice(batch, updates)
+        elif updates - self._last_saved >= self.every:
             self._save(self._epoch, batch, updates)
+
+    def _save_at_notice(self, batch: int, updates: int) -> None:
+        """A preemption notice: saves here (unless the last save holds this update),
+        waits for the files, then ends the process as the notice would have."""
+        if updates != self._last_saved:
+            self._save(self._epoch, batch, updates)
+        self._finish_writes()
+        self._raise_write_error()
+        logger.warning("ResumableCheckpoint: update %d (epoch %d, batch %d) saved at a "
+                       "preemption notice; ending the process.", updates, self._epoch + 1,
+                       batch)
+        self._notice.end_process()
 
     def _skip(self, batch):
         resume_batch = self._resume_at[1]
@@ -631,6 +666,13 @@ class ResumableCheckpoint(keras.callbacks.Callback):
             keras_compat.set_initial_epoch(self.model, None)
         self._finish_writes()
         self._raise_write_error()
+        # A notice after the last update boundary: the epoch-end save holds the fit's end.
+        self._close_notice()
+
+    def _close_notice(self) -> None:
+        notice, self._notice = self._notice, None
+        if notice is not None:
+            notice.close()
 
     def _take_over_directory(self) -> None:
         """Waits for the writes another `ResumableCheckpoint` of this process left in

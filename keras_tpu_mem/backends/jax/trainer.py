@@ -276,6 +276,23 @@ class Step:
         the checkpoints back), the only process otherwise."""
         return jax.process_index() == 0
 
+    @staticmethod
+    def preemption_sync():
+        """Where this process is part of a `jax.distributed` job: JAX's preemption
+        service's sync point, `reached(call) -> bool` (the service catches the
+        notice, SIGTERM, on any process and makes it true at the same call on every
+        process, each calling it at the same update boundaries with consecutive
+        numbers). None where no such job runs: the process catches the notice
+        itself. Raises RuntimeError where the job runs without the service."""
+        if not jax.distributed.is_initialized():
+            return None
+        if not jax.config.jax_enable_preemption_service:
+            raise RuntimeError("this jax.distributed job runs without JAX's preemption "
+                               "service (`jax_enable_preemption_service` is off)")
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.reached_preemption_sync_point
+
     def abandon_call(self, args) -> None:
         """Puts a call's input state `(state, iterator)` back into the model's variables
         (Keras' fit took their values out for its loop) when the call is refused

@@ -115,6 +115,12 @@ class Step:
         return True
 
     @staticmethod
+    def preemption_sync():
+        """None: one TensorFlow client drives every replica, and catches a preemption
+        notice itself."""
+        return None
+
+    @staticmethod
     def state_reader():
         """`read(variables)`: `state_values` (nothing to prepare once a fit)."""
         return Step.state_values
