@@ -60,9 +60,16 @@ on the local disk.
 folder each save (the pruned one deleted, as before 2026-12-06): its thread's
 CPU, its wall time and the whole machine's CPU (the kernel's writeback too).
 
+`--notice-latency N` measures instead, N times per model, how long a preemption
+notice takes to be saved: SIGTERM sent at the end of a batch of a fit with
+`ResumableCheckpoint(every=10**9)` (no periodic save mid-epoch), timed until the
+callback hands the signal back to the script's own handler once the checkpoint is
+written (the rest of the steps in flight, the copy, the write and its fsyncs).
+
 Run:  python benchmarks/bench_resume.py [--models digits,encoder] [--rounds 7]
                                         [--configs none,async/20,...] [--out results.json]
       python benchmarks/bench_resume.py --write-cost 300
+      python benchmarks/bench_resume.py --notice-latency 9 [--models digits,encoder]
 """
 
 from __future__ import annotations
@@ -409,6 +416,67 @@ def write_cost(saves: int, root: str) -> dict:
     return results
 
 
+class _Handed(Exception):
+    """Raised by `notice_latency`'s own SIGTERM handler: it ends the fit."""
+
+
+def notice_latency(name: str, notices: int, root: str) -> dict:
+    """Seconds from a preemption notice (SIGTERM at the end of a batch) to its hand-back
+    by `ResumableCheckpoint` once the save is written, `notices` times on model `name`
+    (the notice at a different batch each time), with the step time of a fit without
+    the callback; medians."""
+    import signal
+
+    import keras
+
+    from keras_tpu_mem import ResumableCheckpoint
+
+    distribution = keras.distribution.DataParallel() if name == "encoder" else None
+    scope = distribution.scope if distribution is not None else contextlib.nullcontext
+    batch = BATCH[name]
+    with scope():
+        model, (x, y) = _model_and_data(name)
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+    steps = len(x) // batch
+    step_s = (time.perf_counter() - start) / steps
+    sent, handed, latencies = [], [], []
+
+    class Notice(keras.callbacks.Callback):
+        def __init__(self, at):
+            super().__init__()
+            self.at = at
+
+        def on_train_batch_end(self, index, logs=None):
+            if index == self.at:
+                sent.append(time.perf_counter())
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def handler(signum, frame):
+        handed.append(time.perf_counter())
+        raise _Handed()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        for i in range(notices):
+            directory = os.path.join(root, name, f"notice{i}")
+            at = 5 + (i * 7) % max(1, steps - 10)
+            with scope():
+                try:
+                    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
+                              callbacks=[ResumableCheckpoint(directory, every=10**9),
+                                         Notice(at)])
+                except _Handed:
+                    latencies.append(handed[-1] - sent[-1])
+            shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return {"notices": len(latencies), "step_ms": 1000 * step_s,
+            "latency_ms": 1000 * statistics.median(latencies),
+            "latency_ms_max": 1000 * max(latencies)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="digits,encoder")
@@ -420,7 +488,26 @@ def main(argv=None) -> int:
                         help="instead: the CPU one save of the digits MLP's state takes "
                              "outside training (as built, without fsync, with a new "
                              "folder each save), over SAVES saves")
+    parser.add_argument("--notice-latency", type=int, default=0, metavar="N",
+                        help="instead: the time from a preemption notice to its save "
+                             "written, N times per model")
     args = parser.parse_args(argv)
+    if args.notice_latency:
+        _setup()
+        root = tempfile.mkdtemp(prefix="bench_resume_")
+        results = {}
+        try:
+            for name in args.models.split(","):
+                row = results[name] = notice_latency(name, args.notice_latency, root)
+                print(f"{name}: a notice saved and handed back in {row['latency_ms']:.1f} ms "
+                      f"(median of {row['notices']}, max {row['latency_ms_max']:.1f}); "
+                      f"a step {row['step_ms']:.2f} ms", flush=True)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(results, handle, indent=1)
+        return 0
     if args.write_cost:
         _setup()
         root = tempfile.mkdtemp(prefix="bench_resume_")

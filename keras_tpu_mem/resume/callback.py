@@ -9,7 +9,8 @@ carried state such as pruning masks) with the epoch and the batch within it. A
 restarted script restores it at `on_train_begin`, starts `fit` at that epoch and
 reads the epoch's first batches again without training on them (the engine
 skips those calls), so the run goes on from the next batch as if it had never
-stopped.
+stopped. A preemption notice (SIGTERM) is saved at the next update boundary before
+the process ends (`preemption`).
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     uninterrupted run's), the state the package's feature callbacks carry in the step
     (`Pruning`'s masks), the epoch and the batch within it. Saves fall on update
     boundaries (never inside a `GradientAccumulation` window) every `every` updates,
-    and at each epoch's end.
+    at each epoch's end, and at the first boundary after a preemption notice
+    (`save_on_preemption`).
 
     On `on_train_begin` of a later `fit` with the same directory (the same script,
     restarted after a preemption), the newest complete checkpoint is restored, `fit`
