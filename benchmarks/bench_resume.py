@@ -492,57 +492,49 @@ def main(argv=None) -> int:
                         help="instead: the time from a preemption notice to its save "
                              "written, N times per model")
     args = parser.parse_args(argv)
+    models = args.models.split(",")
     if args.notice_latency:
-        _setup()
-        root = tempfile.mkdtemp(prefix="bench_resume_")
-        results = {}
-        try:
-            for name in args.models.split(","):
+        def work(root):
+            results = {}
+            for name in models:
                 row = results[name] = notice_latency(name, args.notice_latency, root)
                 print(f"{name}: a notice saved and handed back in {row['latency_ms']:.1f} ms "
                       f"(median of {row['notices']}, max {row['latency_ms_max']:.1f}); "
                       f"a step {row['step_ms']:.2f} ms", flush=True)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        if args.out:
-            with open(args.out, "w") as handle:
-                json.dump(results, handle, indent=1)
-        return 0
-    if args.write_cost:
-        _setup()
-        root = tempfile.mkdtemp(prefix="bench_resume_")
-        try:
+            return results
+    elif args.write_cost:
+        def work(root):
             cost = write_cost(args.write_cost, root)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        print(f"one save of {cost['state_bytes'] / 2**20:.2f} MiB (ms per save, medians of 2):")
-        for key in WRITE_VARIANTS:
-            print(f"  {key}: " + ", ".join(f"{name[:-3]} {value:.2f}"
-                                           for name, value in cost[key].items()))
-        if args.out:
-            with open(args.out, "w") as handle:
-                json.dump(cost, handle, indent=1)
-        return 0
-    configs = tuple(args.configs.split(","))
-    unknown = [c for c in configs if c not in ALL_CONFIGS]
-    if unknown or configs[:1] != ("none",):
-        parser.error(f"--configs: {unknown or args.configs} (accepted: "
-                     f"{', '.join(ALL_CONFIGS)}; `none` first, the reference)")
+            print(f"one save of {cost['state_bytes'] / 2**20:.2f} MiB (ms per save, medians "
+                  "of 2):")
+            for key in WRITE_VARIANTS:
+                print(f"  {key}: " + ", ".join(f"{name[:-3]} {value:.2f}"
+                                               for name, value in cost[key].items()))
+            return cost
+    else:
+        configs = tuple(args.configs.split(","))
+        unknown = [c for c in configs if c not in ALL_CONFIGS]
+        if unknown or configs[:1] != ("none",):
+            parser.error(f"--configs: {unknown or args.configs} (accepted: "
+                         f"{', '.join(ALL_CONFIGS)}; `none` first, the reference)")
+
+        def work(root):
+            everything = {}
+            for name in models:
+                everything[name] = measure(name, args.rounds, root, configs)
+                print(markdown(name, everything[name]), flush=True)
+                print()
+            return everything
     _setup()
     root = tempfile.mkdtemp(prefix="bench_resume_")
-    everything = {}
     try:
-        for name in args.models.split(","):
-            everything[name] = measure(name, args.rounds, root, configs)
-            print(markdown(name, everything[name]), flush=True)
-            print()
+        results = work(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.out:
         with open(args.out, "w") as handle:
-            json.dump(everything, handle, indent=1)
+            json.dump(results, handle, indent=1)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

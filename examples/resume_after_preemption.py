@@ -8,7 +8,9 @@ epoch's order a function of the seed and the epoch). With `--kill-at N` it kills
 itself (SIGKILL, as a preemption does) after N batches. Run it again without
 `--kill-at`: it restores the newest complete checkpoint, starts at the epoch and
 batch it holds, and trains to the end on the weights of a run that was never
-stopped, bit for bit (tests/test_examples.py compares them).
+stopped, bit for bit (tests/test_examples.py compares them). A preemption notice
+instead (`kill -TERM <pid>` while it trains: what a spot VM's shutdown sends) is
+saved at the next update before the process ends, so the restart loses nothing.
 
     python examples/resume_after_preemption.py --fresh --kill-at 60   # killed in epoch 2
     keras-tpu-mem checkpoints /tmp/ktm_resume_example                  # what was saved

@@ -88,6 +88,19 @@ def _cluster(tmp_path, num_processes, devices, features="accumulation", env_extr
     return results
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """`uninterrupted(features)`: the results of the job of `resume` / `resume_fsdp`
+    never stopped (2 processes x 2 devices), run once per module."""
+    cache = {}
+
+    def get(features):
+        if features not in cache:
+            cache[features] = _cluster(tmp_path_factory.mktemp(features), 2, 2, features)
+        return cache[features]
+    return get
+
+
 def _log(folder, process: int, num_processes: int = 2) -> str:
     return (folder / f"p{num_processes}_{process}.log").read_text()
 
@@ -134,7 +147,8 @@ def test_two_processes_shard_the_state_like_one_process(tmp_path):
 
 @pytest.mark.parametrize("features, arrays_in", [
     ("resume", "state.bin"), pytest.param("resume_fsdp", "state.orbax", marks=NEEDS_ORBAX)])
-def test_two_processes_each_killed_resume_bit_exact(tmp_path, features, arrays_in):
+def test_two_processes_each_killed_resume_bit_exact(tmp_path, features, arrays_in,
+                                                    uninterrupted):
     """Issue 30's floor: 2 processes x 2 devices, every training feature on, data
     shuffled through `distribute(seed=...)`, saves every 5 updates; each process
     SIGKILLed at the end of batch 17 (epoch 2), the job started again: the final
@@ -142,7 +156,7 @@ def test_two_processes_each_killed_resume_bit_exact(tmp_path, features, arrays_i
     bit for bit, on both processes. Under `DataParallel` over the 4 devices (the state
     replicated: process 0 writes `state.bin`), and under `ShardedDataParallel` (the
     state split over the processes: each writes its shards through Orbax)."""
-    want = _cluster(tmp_path / "uninterrupted", 2, 2, features)
+    want = uninterrupted(features)
     directory = str(tmp_path / "checkpoints")
     _cluster(tmp_path / "killed", 2, 2, features,
              {"KTM_RESUME_DIR": directory, "KTM_KILL_AT": "17"}, killed=True)
@@ -180,7 +194,7 @@ def test_two_processes_each_killed_resume_bit_exact(tmp_path, features, arrays_i
 
 @pytest.mark.parametrize("features", ["resume", pytest.param("resume_fsdp", marks=NEEDS_ORBAX)])
 def test_a_preemption_notice_to_one_process_saves_every_process_at_one_update(
-        tmp_path, features):
+        tmp_path, features, uninterrupted):
     """A preemption notice (SIGTERM) to process 0 alone at the end of batch 7, the
     periodic saves every 1000 updates (none mid-epoch): JAX's preemption service tells
     process 1, both save at the same update boundary after it and exit with status
@@ -188,7 +202,7 @@ def test_a_preemption_notice_to_one_process_saves_every_process_at_one_update(
     of the job never stopped. Under `DataParallel` (process 0 writes `state.bin`) and
     `ShardedDataParallel` (every process its shards through Orbax: a collective save,
     which hangs unless both save at the same update)."""
-    want = _cluster(tmp_path / "uninterrupted", 2, 2, features)
+    want = uninterrupted(features)
     directory = str(tmp_path / "checkpoints")
     _cluster(tmp_path / "noticed", 2, 2, features,
              {"KTM_RESUME_DIR": directory, "KTM_NOTICE_AT": "7"}, exit_code=128 + 15)

@@ -151,6 +151,29 @@ def test_sigterm_is_caught_only_while_a_fit_runs(tmp_path, script_handler):
     assert signal.getsignal(signal.SIGTERM) is handler
 
 
+def test_a_failed_save_at_a_notice_is_said_and_the_notice_still_handed_back(
+        tmp_path, monkeypatch, caplog, script_handler):
+    """The write at a notice fails: the error is logged (the notice may end the process
+    before anything prints it) and the notice still goes to the script's handler."""
+    handler, handed = script_handler
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    x, y = _xy()
+    model = _small_model()
+    monkeypatch.setattr(store, "write_checkpoint", fail)
+    with caplog.at_level(logging.WARNING, logger="keras_tpu_mem"), \
+            pytest.raises(RuntimeError, match="preempted by the notice"):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=1000),
+                             resume_cases.StopAt(3, "notice")])
+    assert handed == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is handler
+    assert "the save at a preemption notice failed (RuntimeError" in caplog.text
+    assert "disk full" in caplog.text
+
+
 def test_a_jobs_sync_point_saves_at_the_update_it_names_then_exits(tmp_path, monkeypatch):
     """Where the backend's step names a job's sync point (JAX's preemption service on
     a `jax.distributed` job, which catches the SIGTERM itself), the callback asks it at

@@ -630,14 +630,23 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     def _save_at_notice(self, batch: int, updates: int) -> None:
         """A preemption notice: saves here (unless the last save holds this update),
         waits for the files, then ends the process as the notice would have."""
-        if updates != self._last_saved:
-            self._save(self._epoch, batch, updates)
-        self._finish_writes()
-        self._raise_write_error()
-        logger.warning("ResumableCheckpoint: update %d (epoch %d, batch %d) saved at a "
-                       "preemption notice; ending the process.", updates, self._epoch + 1,
-                       batch)
-        self._notice.end_process()
+        try:
+            if updates != self._last_saved:
+                self._save(self._epoch, batch, updates)
+            self._finish_writes()
+            self._raise_write_error()
+        except BaseException as err:
+            # Said here: the process ends by the notice, which may not print it.
+            logger.error("ResumableCheckpoint: the save at a preemption notice failed "
+                         "(%s: %s); a restart resumes from the checkpoint before it.",
+                         type(err).__name__, err)
+            raise
+        else:
+            logger.warning("ResumableCheckpoint: update %d (epoch %d, batch %d) saved at a "
+                           "preemption notice; ending the process.", updates,
+                           self._epoch + 1, batch)
+        finally:
+            self._notice.end_process()
 
     def _skip(self, batch):
         resume_batch = self._resume_at[1]
@@ -667,9 +676,11 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         if self.resumed_from is not None:
             keras_compat.set_initial_epoch(self.model, None)
         self._finish_writes()
-        self._raise_write_error()
-        # A notice after the last update boundary: the epoch-end save holds the fit's end.
-        self._close_notice()
+        try:
+            self._raise_write_error()
+        finally:
+            # A notice after the last update boundary: the epoch-end save holds the end.
+            self._close_notice()
 
     def _close_notice(self) -> None:
         notice, self._notice = self._notice, None
