@@ -315,11 +315,18 @@ def _callbacks(config: str, directory: str) -> list:
                                 orbax=True if config.startswith("orbax") else None)]
 
 
-def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
+def _scope(name: str):
+    """What model `name` is built and fit under: `DataParallel` over the 8 host devices
+    for the encoder (a context factory), nothing for the digits MLP."""
     import keras
 
-    distribution = keras.distribution.DataParallel() if name == "encoder" else None
-    scope = distribution.scope if distribution is not None else contextlib.nullcontext
+    if name == "encoder":
+        return keras.distribution.DataParallel().scope
+    return contextlib.nullcontext
+
+
+def measure(name: str, rounds: int, root: str, configs=CONFIGS) -> dict:
+    scope = _scope(name)
     batch = BATCH[name]
     runs, results = {}, {}
     for config in configs:
@@ -431,8 +438,7 @@ def notice_latency(name: str, notices: int, root: str) -> dict:
 
     from keras_tpu_mem import ResumableCheckpoint
 
-    distribution = keras.distribution.DataParallel() if name == "encoder" else None
-    scope = distribution.scope if distribution is not None else contextlib.nullcontext
+    scope = _scope(name)
     batch = BATCH[name]
     with scope():
         model, (x, y) = _model_and_data(name)

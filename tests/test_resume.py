@@ -79,6 +79,17 @@ def test_stopped_mid_epoch_resumes_bit_exact_with_every_feature(case, references
     np.testing.assert_allclose(history.history["loss"], want_history["loss"][1:], rtol=1e-6)
 
 
+class _SeeSigtermHandler(keras.callbacks.Callback):
+    """Appends SIGTERM's handler at each batch's end to `seen`."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(signal.getsignal(signal.SIGTERM))
+
+
 @pytest.fixture
 def script_handler():
     """A SIGTERM handler of the test script's own, as a user's cleanup: it records the
@@ -125,10 +136,6 @@ def test_sigterm_is_caught_only_while_a_fit_runs(tmp_path, script_handler):
     handler, handed = script_handler
     seen = []
 
-    class SeeHandler(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            seen.append(signal.getsignal(signal.SIGTERM))
-
     x, y = _xy()
     for save_on_preemption in (True, False):
         checkpoint = ktm.ResumableCheckpoint(str(tmp_path / str(save_on_preemption)),
@@ -137,7 +144,7 @@ def test_sigterm_is_caught_only_while_a_fit_runs(tmp_path, script_handler):
         seen.clear()
         with pytest.raises(RuntimeError, match="preempted after 3 batches"):
             _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
-                               callbacks=[checkpoint, SeeHandler(),
+                               callbacks=[checkpoint, _SeeSigtermHandler(seen),
                                           resume_cases.StopAt(3, "raise")])
         assert (seen[0] is handler) is not save_on_preemption
         with pytest.raises(RuntimeError, match="preempted by the notice"):
@@ -208,14 +215,10 @@ def test_a_fit_outside_the_main_thread_saves_no_notice_and_says_so(tmp_path, cap
     before = signal.getsignal(signal.SIGTERM)
     seen = []
 
-    class SeeHandler(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            seen.append(signal.getsignal(signal.SIGTERM))
-
     def fit():
         _small_model().fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
                            callbacks=[ktm.ResumableCheckpoint(str(tmp_path), every=3),
-                                      SeeHandler()])
+                                      _SeeSigtermHandler(seen)])
 
     with caplog.at_level(logging.WARNING, logger="keras_tpu_mem"):
         thread = threading.Thread(target=fit)

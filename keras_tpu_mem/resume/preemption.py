@@ -124,10 +124,6 @@ class ServiceNotice:
     def __init__(self, sync_point):
         self._sync_point = sync_point
 
-    @staticmethod
-    def start() -> None:
-        return None
-
     def reached(self) -> bool:
         return bool(self._sync_point(next(_SERVICE_CALLS)))
 
@@ -147,18 +143,17 @@ def watch(preemption_sync, fit_frame):
     try:
         sync_point = preemption_sync()
     except RuntimeError as err:
-        notice, problem = None, str(err)
+        problem = str(err)
     else:
         if sync_point is not None:
-            notice = ServiceNotice(sync_point)
-        elif fit_frame is None:
-            notice = None
+            return ServiceNotice(sync_point)
+        if fit_frame is None:
+            problem = "the callbacks do not run inside a Keras `fit`"
         else:
             notice = SignalNotice(fit_frame)
-        problem = ("the callbacks do not run inside a Keras `fit`" if notice is None
-                   else notice.start())
-    if problem is None:
-        return notice
+            problem = notice.start()
+            if problem is None:
+                return notice
     logger.warning("ResumableCheckpoint: preemption notices are not saved at: %s. The "
                    "periodic checkpoints (`every`) still are.", problem)
     return None
